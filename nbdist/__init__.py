@@ -1,0 +1,47 @@
+"""nbdist: PyTorch distributed training you can do and see from a Jupyter notebook.
+
+``nbdist.start(world_size=4)`` starts a persistent group of fresh worker processes with
+torch.distributed initialised; ``group.run(fn)`` / ``group.exec(source)`` run code on every rank and
+return per-rank results. In a notebook, ``%load_ext nbdist`` adds ``%dist_start`` and ``%%dist``.
+
+This module imports no IPython, ipywidgets or matplotlib: it works in a plain script too.
+"""
+from .backends import available_backends, register_backend, resolve_backend
+from .errors import (BackendError, DistTimeoutError, GroupClosedError, GroupInterrupted,
+                     NbdistError, RankDiedError, RemoteError)
+from .group import Group, launch, start, stop_all
+
+__version__ = "0.1.0"
+
+__all__ = sorted([
+    "BackendError",
+    "DistTimeoutError",
+    "Group",
+    "GroupClosedError",
+    "GroupInterrupted",
+    "NbdistError",
+    "RankDiedError",
+    "RemoteError",
+    "available_backends",
+    "launch",
+    "load_ipython_extension",
+    "register_backend",
+    "resolve_backend",
+    "start",
+    "stop_all",
+    "unload_ipython_extension",
+])
+
+
+def load_ipython_extension(ipython):
+    """``%load_ext nbdist``: register the magics (imports IPython only now)."""
+    from .ui.magics import load_ipython_extension as load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython):
+    """``%unload_ext nbdist``: remove the magics and stop the groups they started."""
+    from .ui.magics import unload_ipython_extension as unload
+
+    unload(ipython)

@@ -1,0 +1,182 @@
+"""The exceptions nbdist raises.
+
+Every error nbdist raises on purpose derives from :class:`NbdistError`::
+
+    NbdistError
+    ├── RemoteError          user code raised on one or more ranks (remote tracebacks attached)
+    ├── RankDiedError        a worker process exited or was killed (exit code / signal, stderr tail)
+    ├── DistTimeoutError     a call or the rendezvous did not finish in time (names the ranks)
+    ├── GroupInterrupted     the caller interrupted a call (says which ranks were killed)
+    ├── BackendError         a backend is unknown or not available here (also a ``ValueError``)
+    └── GroupClosedError     the group was stopped, or must be restarted before use
+
+User mistakes in arguments (a world size of 0, a device name nbdist does not know) raise plain
+``ValueError`` / ``TypeError`` with a message that says what was expected.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Optional, Sequence
+
+
+class NbdistError(Exception):
+    """Base class of every error nbdist raises on purpose."""
+
+
+class BackendError(NbdistError, ValueError):
+    """A backend was asked for that is unknown or not usable on this machine."""
+
+
+class GroupClosedError(NbdistError):
+    """The group was stopped, or is broken and needs ``restart()`` before the next call."""
+
+
+class RemoteError(NbdistError):
+    """User code raised an exception on one or more ranks.
+
+    Attributes:
+        failures: ``{rank: RemoteFailure}`` for every rank that raised, in rank order.
+        results: per-rank results where a rank succeeded, ``None`` where it failed.
+    """
+
+    def __init__(self, failures: Dict[int, "RemoteFailure"], results: Optional[List] = None,
+                 world_size: Optional[int] = None):
+        self.failures = dict(sorted(failures.items()))
+        self.results = results
+        self.world_size = world_size
+        root = self.root_cause
+        ranks = ", ".join(str(r) for r in self.failures)
+        head = (f"{root.type_name} on rank{'s' if len(self.failures) > 1 else ''} {ranks}: "
+                f"{root.message}")
+        if len(self.failures) > 1:
+            head += f"\n(root cause: rank {root.rank}, the first failure observed)"
+        super().__init__(head + "\n\n" + root.traceback.rstrip())
+
+    @property
+    def root_cause(self) -> "RemoteFailure":
+        """The failure observed first (earliest timestamp on the ranks)."""
+        return min(self.failures.values(), key=lambda f: (f.time, f.rank))
+
+    @property
+    def ranks(self) -> List[int]:
+        """The ranks that raised, sorted."""
+        return list(self.failures)
+
+    def _render_traceback_(self) -> List[str]:
+        # IPython calls this instead of printing nbdist's own frames: show the remote tracebacks.
+        lines: List[str] = []
+        for failure in self.failures.values():
+            lines.append(f"\x1b[31m--- rank {failure.rank} ---\x1b[0m")
+            lines.extend(failure.traceback.rstrip().splitlines())
+        if len(self.failures) > 1:
+            lines.append(f"(root cause: rank {self.root_cause.rank}, the first failure observed)")
+        return lines
+
+
+class RemoteFailure:
+    """One rank's exception: type name, message, formatted traceback, and when it happened."""
+
+    def __init__(self, rank: int, type_name: str, message: str, traceback: str, time: float,
+                 exception: Optional[BaseException] = None):
+        self.rank = rank
+        self.type_name = type_name
+        self.message = message
+        self.traceback = traceback
+        self.time = time
+        self.exception = exception
+
+    def __repr__(self) -> str:
+        return f"RemoteFailure(rank={self.rank}, {self.type_name}: {self.message!r})"
+
+
+class RankDiedError(NbdistError):
+    """A worker process died: ``deaths`` maps rank to ``(exitcode, stderr_tail)``."""
+
+    def __init__(self, deaths: Dict[int, tuple], detail: str = ""):
+        self.deaths = dict(sorted(deaths.items()))
+        parts = []
+        for rank, (code, tail) in self.deaths.items():
+            parts.append(f"rank {rank} {describe_exit(code)}")
+        msg = "; ".join(parts) + "."
+        if detail:
+            msg += " " + detail
+        for rank, (code, tail) in self.deaths.items():
+            if tail:
+                msg += f"\n--- rank {rank} stderr (last lines) ---\n{tail.rstrip()}"
+        msg += ("\nThe group was shut down; call restart() to bring it back "
+                "(per-rank variables are lost).")
+        super().__init__(msg)
+
+    @property
+    def ranks(self) -> List[int]:
+        """The ranks that died, sorted."""
+        return list(self.deaths)
+
+
+class DistTimeoutError(NbdistError, TimeoutError):
+    """A call (or the rendezvous) did not finish in time; ``ranks`` are the ones still running."""
+
+    def __init__(self, message: str, ranks: Sequence[int] = ()):
+        self.ranks = list(ranks)
+        super().__init__(message)
+
+
+class GroupInterrupted(NbdistError):
+    """The caller interrupted a call (Ctrl-C / the notebook's interrupt button).
+
+    Attributes:
+        interrupted: ranks that stopped on SIGINT.
+        killed: ranks that were still blocked (e.g. inside a collective) and were killed.
+    """
+
+    def __init__(self, message: str, interrupted: Sequence[int] = (), killed: Sequence[int] = ()):
+        self.interrupted = list(interrupted)
+        self.killed = list(killed)
+        super().__init__(message)
+
+
+def describe_exit(code: Optional[int]) -> str:
+    """Turn a process exit code into words: ``exited with code 3`` / ``was killed by SIGKILL``."""
+    import signal
+
+    if code is None:
+        return "died (exit status unknown)"
+    if code < 0:
+        try:
+            name = signal.Signals(-code).name
+        except ValueError:
+            name = f"signal {-code}"
+        return f"was killed by {name} (exit code {code})"
+    return f"exited with code {code}"
+
+
+# What torch/gloo error texts mean, in plain words (seen with torch 2.13; see FACTS-TORCH.md).
+_HINTS = (
+    ("Received data size doesn't match",
+     "This is a collective mismatch: ranks called the same collective with different tensor "
+     "shapes or dtypes. Start the group with debug=True (TORCH_DISTRIBUTED_DEBUG=DETAIL) to see "
+     "each rank's call."),
+    ("Detected mismatch between collectives",
+     "The ranks ran different collectives (or different shapes) at the same step; the message "
+     "lists each rank's call."),
+    ("for recv operation to complete",
+     "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
+     "different collectives. Start the group with debug=True to check for a mismatch."),
+    ("for send operation to complete",
+     "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
+     "different collectives. Start the group with debug=True to check for a mismatch."),
+    ("Application timeout caused pair closure",
+     "The process group is dead after an earlier timeout; call restart()."),
+    ("Connection closed by peer",
+     "Another rank died during the collective; see which one in the group's status."),
+    ("Connection reset by peer",
+     "Another rank died during the collective; see which one in the group's status."),
+    ("failed to pass monitoredBarrier", "The message names the ranks that are stuck."),
+)
+
+
+def hint_for(text: str) -> Optional[str]:
+    """A plain-words explanation of a torch/gloo error text, or ``None``."""
+    for needle, hint in _HINTS:
+        if needle in text:
+            return hint
+    return None

@@ -1,0 +1,235 @@
+"""Starting local worker processes and waiting until every rank is connected and initialised.
+
+The caller owns everything shared: the control listener (loopback, port 0), the rendezvous (a
+``FileStore`` in a private temp dir: no port at all, so no "address already in use" and nothing to
+reach from outside), and the group key. Workers are fresh processes: forkserver children with
+torch preloaded where the OS has forkserver, spawned interpreters elsewhere.
+
+Workers never import the caller's ``__main__`` (multiprocessing normally re-runs the main script in
+every child): code reaches them by value, so a script without an ``if __name__ == "__main__"`` guard
+and a notebook behave the same.
+"""
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import selectors
+import socket
+import sys
+import time
+import types
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+import cloudpickle
+
+from . import transport, worker
+from .backends import BackendChoice
+from .errors import DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure
+from .output import OutputPump
+
+
+def mp_context():
+    """forkserver (torch preloaded) where available, spawn elsewhere (Windows)."""
+    if "forkserver" in mp.get_all_start_methods():
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(["nbdist.worker"])
+        return ctx
+    return mp.get_context("spawn")
+
+
+def loopback_interface() -> Optional[str]:
+    """The loopback interface's name ("lo", "lo0"), so gloo binds there and nowhere else."""
+    try:
+        names = [name for _, name in socket.if_nameindex()]
+    except (OSError, AttributeError):
+        return None
+    for candidate in ("lo", "lo0"):
+        if candidate in names:
+            return candidate
+    return None
+
+
+@contextlib.contextmanager
+def _main_hidden():
+    """Make multiprocessing see a ``__main__`` without a file, so children don't re-import it."""
+    main = sys.modules.get("__main__")
+    sys.modules["__main__"] = types.ModuleType("__main__")
+    try:
+        yield
+    finally:
+        if main is not None:
+            sys.modules["__main__"] = main
+
+
+@dataclass
+class Rank:
+    """The caller's handle on one worker."""
+
+    rank: int
+    process: Any
+    channel: Optional[transport.Channel] = None
+    info: Optional[Dict[str, Any]] = None
+    state: str = "starting"
+    busy_with: str = ""
+    since: Optional[float] = None
+    last_error: str = ""
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The worker's process id."""
+        return self.process.pid
+
+
+def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dict[str, str]:
+    """The environment of rank ``rank``: the cleaned caller environment plus torch's variables."""
+    env = worker.clean_environment(base)
+    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+                "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
+                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    lo = loopback_interface()
+    if lo and "GLOO_SOCKET_IFNAME" not in env:
+        env["GLOO_SOCKET_IFNAME"] = lo
+    return env
+
+
+def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout: float,
+                  threads: Optional[int], env: Dict[str, str], store_path: str,
+                  pump: OutputPump, init_timeout: float) -> List[Rank]:
+    """Start ``world_size`` workers and return them once all are ready (or raise, leaving none)."""
+    key = transport.new_key()
+    listener = transport.listen("127.0.0.1", 0)
+    port = listener.getsockname()[1]
+    ctx = mp_context()
+    custom = [cloudpickle.dumps(c) for c in choice.custom]
+    ranks: List[Rank] = []
+    try:
+        for r in range(world_size):
+            cfg = {"rank": r, "world_size": world_size, "local_rank": r, "group_id": group_id,
+                   "address": ("127.0.0.1", port), "key": key, "backend": choice.backend,
+                   "device": choice.device, "timeout": timeout, "threads": threads,
+                   "custom_backends": custom, "store_path": store_path, "shm": True,
+                   "env": rank_env(env, r, world_size, port)}
+            proc = ctx.Process(target=worker.main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
+            with _main_hidden():
+                proc.start()
+            ranks.append(Rank(r, proc))
+        _wait_ready(ranks, listener, key, pump, init_timeout)
+    except BaseException:
+        kill_all(ranks)
+        for r in ranks:
+            pump.wait_eof(r.rank, 0.5)
+        raise
+    finally:
+        listener.close()
+    return ranks
+
+
+def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: OutputPump,
+                init_timeout: float) -> None:
+    sel = selectors.DefaultSelector()
+    sel.register(listener, selectors.EVENT_READ, ("listen", -1))
+    for r in ranks:
+        sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+    deadline = time.monotonic() + init_timeout
+    failures: Dict[int, RemoteFailure] = {}
+    dead: Dict[int, tuple] = {}
+    try:
+        while any(r.state != "idle" for r in ranks) and not failures and not dead:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                missing = [r.rank for r in ranks if r.state != "idle"]
+                raise DistTimeoutError(
+                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                    f"finish starting within {init_timeout:.0f} s (connected to the controller: "
+                    f"{[r.rank for r in ranks if r.channel is not None]}). "
+                    "Raise init_timeout=, or check the ranks' stderr above.", missing)
+            for key_, _ in sel.select(remaining):
+                what, idx = key_.data
+                if what == "listen":
+                    _accept(listener, key, ranks, pump, sel)
+                elif what == "ctl":
+                    _on_control(ranks[idx], sel, failures, dead)
+                else:
+                    ranks[idx].process.join(1.0)
+                    dead[idx] = (ranks[idx].process.exitcode, "")
+                    sel.unregister(key_.fileobj)
+    finally:
+        sel.close()
+    if dead:
+        for idx in dead:
+            pump.wait_eof(idx, 1.0)
+            dead[idx] = (dead[idx][0], pump.tail(idx))
+        raise RankDiedError(dead, "while starting (before torch.distributed was initialised).")
+    if failures:
+        err = RemoteError(failures)
+        raise NbdistError(f"torch.distributed could not be initialised on rank"
+                          f"{'s' if len(failures) > 1 else ''} {', '.join(map(str, failures))}: "
+                          f"{err.root_cause.type_name}: {err.root_cause.message}") from err
+
+
+def _accept(listener, key, ranks, pump, sel) -> None:
+    conn, _ = listener.accept()
+    try:
+        hello = transport.server_handshake(conn, key, timeout=5.0)
+        rank, role = int(hello["rank"]), hello["role"]
+        if not 0 <= rank < len(ranks) or role not in ("control", "stdout", "stderr"):
+            raise transport.AuthenticationError(f"unexpected hello {hello!r}")
+    except (transport.AuthenticationError, KeyError, ValueError, TypeError):
+        conn.close()  # refuse quietly: nothing the peer sent was interpreted
+        return
+    if role == "control":
+        ranks[rank].channel = transport.Channel(conn)
+        sel.register(conn, selectors.EVENT_READ, ("ctl", rank))
+    else:
+        pump.add(rank, role, conn)
+
+
+def _on_control(r: Rank, sel, failures, dead) -> None:
+    try:
+        kind, _, body = r.channel.recv()
+    except (ConnectionError, OSError):
+        r.process.join(1.0)
+        dead[r.rank] = (r.process.exitcode, "")
+        sel.unregister(r.channel.sock)
+        return
+    if kind == "ready":
+        r.info, r.state = body, "idle"
+    else:
+        failures[r.rank] = failure_from(body)
+    sel.unregister(r.channel.sock)
+
+
+def failure_from(body: Dict[str, Any]) -> RemoteFailure:
+    """Rebuild a :class:`RemoteFailure` from a worker's error report."""
+    exc = None
+    if body.get("exception") is not None:
+        try:
+            exc = cloudpickle.loads(body["exception"])
+        except Exception:  # noqa: BLE001 -- an exception class we cannot import here
+            exc = None
+    return RemoteFailure(body["rank"], body["type"], body["message"], body["traceback"],
+                         body["time"], exc)
+
+
+def kill_all(ranks: List[Rank]) -> None:
+    """SIGKILL every worker still running and reap it."""
+    for r in ranks:
+        if r.process.exitcode is None:
+            try:
+                r.process.kill()
+            except (OSError, ValueError, AttributeError):
+                pass
+    for r in ranks:
+        try:
+            r.process.join(5.0)
+        except (AssertionError, ValueError):
+            pass
+        if r.channel is not None:
+            r.channel.close()
+
+
+def cpu_limit() -> int:
+    """The largest world size nbdist starts on this machine's CPUs without being told to."""
+    return max(8, 4 * (os.cpu_count() or 1))

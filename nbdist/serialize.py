@@ -1,0 +1,133 @@
+"""Pickling for the control channel: code by value (cloudpickle), CPU tensors through shared memory.
+
+A large CPU tensor is not pickled byte by byte. Its data is copied once into a file in ``/dev/shm``
+(a temp dir where there is none) and the message carries only the file name, dtype and shape; the
+receiver maps the file (``torch.from_file``), so the bytes never pass through a socket. Files are
+named ``nbdist-<group id>-...`` so that a group can remove anything a crash left behind.
+
+Results travelling worker -> caller are mapped shared and unlinked at once by the caller; values
+pushed caller -> workers are mapped private (copy-on-write) by every rank and unlinked by the caller
+once all ranks have answered.
+"""
+from __future__ import annotations
+
+import glob
+import io
+import itertools
+import os
+import sys
+import tempfile
+from typing import Any, List, Optional
+
+import cloudpickle
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SHM_MIN_BYTES = 1 << 16
+_counter = itertools.count()
+
+
+def shm_prefix(group_id: str, who: str) -> str:
+    """The file-name prefix for segments a group's member ``who`` creates."""
+    return os.path.join(SHM_DIR, f"nbdist-{group_id}-{who}-")
+
+
+def leftover_segments(group_id: str) -> List[str]:
+    """Segment files of group ``group_id`` that still exist."""
+    return glob.glob(os.path.join(SHM_DIR, f"nbdist-{group_id}-*"))
+
+
+def remove_segments(paths) -> None:
+    """Unlink segment files, ignoring those already gone."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool, private: bool,
+                    unlink: bool):
+    import torch
+
+    numel = 1
+    for s in shape:
+        numel *= s
+    tensor = torch.from_file(path, shared=not private, size=numel, dtype=dtype).view(shape)
+    if unlink:
+        remove_segments([path])
+    if is_param:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
+
+
+class Pickler(cloudpickle.Pickler):
+    """cloudpickle, plus large CPU tensors written to shared-memory files instead of the stream.
+
+    ``prefix`` is the segment path prefix (``None``: no shared memory, e.g. for a remote peer);
+    ``private`` and ``unlink`` tell the receiver how to map and whether to unlink.
+    ``created`` lists the files this pickler made.
+    """
+
+    def __init__(self, file, prefix: Optional[str], private: bool, unlink: bool):
+        super().__init__(file, protocol=5)
+        self.prefix = prefix
+        self.private = private
+        self.unlink = unlink
+        self.created: List[str] = []
+
+    def reducer_override(self, obj):
+        torch = sys.modules.get("torch")
+        if (self.prefix is not None and torch is not None
+                and type(obj) in (torch.Tensor, torch.nn.Parameter)):
+            reduced = self._reduce_tensor(obj, torch)
+            if reduced is not None:
+                return reduced
+        return super().reducer_override(obj)
+
+    def _reduce_tensor(self, t, torch):
+        if (t.device.type != "cpu" or t.layout != torch.strided or t.is_quantized
+                or t.is_complex() or t.is_nested
+                or t.numel() * t.element_size() < SHM_MIN_BYTES):
+            return None
+        data = t.detach().contiguous()
+        path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, data.numel() * data.element_size())
+        finally:
+            os.close(fd)
+        self.created.append(path)
+        torch.from_file(path, shared=True, size=data.numel(), dtype=data.dtype).copy_(data.view(-1))
+        is_param = isinstance(t, torch.nn.Parameter)
+        requires_grad = bool(t.requires_grad and (t.is_leaf or is_param))
+        return (_rebuild_tensor,
+                (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
+                 self.unlink))
+
+
+def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
+          unlink: bool = True):
+    """Pickle ``obj`` by value; returns ``(bytes, created_segment_paths)``.
+
+    On failure every segment already written is removed again before the error propagates.
+    """
+    buf = io.BytesIO()
+    pickler = Pickler(buf, prefix, private, unlink)
+    try:
+        pickler.dump(obj)
+    except BaseException:
+        remove_segments(pickler.created)
+        raise
+    return buf.getvalue(), pickler.created
+
+
+def loads(data: bytes) -> Any:
+    """Unpickle what :func:`dumps` produced (only ever called on authenticated peers' data)."""
+    return cloudpickle.loads(data)
+
+
+def describe_unpicklable(obj: Any, err: BaseException) -> str:
+    """Name the object that could not be pickled, for error messages."""
+    return f"{type(obj).__module__}.{type(obj).__qualname__} object ({err})"

@@ -1,0 +1,245 @@
+"""The worker process: connect to the controller, initialise torch.distributed, serve requests.
+
+A worker is a fresh interpreter (a forkserver child with torch preloaded, or a spawned process). It
+
+1. resets SIGINT to Python's default, rebuilds its environment from the caller's (launcher
+   variables such as ``SLURM_*`` removed, ``RANK``/``LOCAL_RANK``/... set),
+2. connects its stdout and stderr -- the file descriptors themselves, so C++ output and the text of
+   an abort reach the caller too -- and its control channel, each authenticated with the group key,
+3. registers custom backends, then calls ``init_process_group`` with an explicit timeout,
+4. serves ``run`` / ``exec`` / ``push`` / ``pull`` requests in a namespace that persists across
+   calls, until told to stop; it then destroys the process group before exiting.
+
+A watchdog thread exits the process as soon as the controller's end of the connection goes away,
+so workers never outlive a killed kernel.
+"""
+from __future__ import annotations
+
+import ast
+import ctypes
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from datetime import timedelta
+from typing import Any, Dict
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from . import serialize, transport
+
+_INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
+             "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
+             "call init_process_group. To change the backend or world size, call "
+             "restart(backend=..., world_size=...) on the group (or %dist_restart).")
+
+
+def _ignore_sigint(signum, frame):
+    """SIGINT outside user code (while talking to the controller) is ignored: no torn messages."""
+
+
+class _Worker:
+    def __init__(self, cfg: Dict[str, Any]):
+        self.cfg = cfg
+        self.rank = cfg["rank"]
+        self.ns: Dict[str, Any] = {}
+        self.cells = 0
+        self.result_prefix = serialize.shm_prefix(cfg["group_id"], f"r{self.rank}") \
+            if cfg["shm"] else None
+
+    # ---- start-up -------------------------------------------------------------------------
+    def connect_streams(self) -> None:
+        address = tuple(self.cfg["address"])
+        key = self.cfg["key"]
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            sock = transport.connect(address, key, {"rank": self.rank, "role": stream,
+                                                    "pid": os.getpid()})
+            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            os.dup2(sock.fileno(), fd)
+            if fd == 2:
+                self.lifeline = sock  # keep one end for the watchdog
+            else:
+                sock.close()
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+        threading.Thread(target=self._watchdog, name="nbdist-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        # The controller never sends on this stream: EOF or an error means it is gone.
+        try:
+            while self.lifeline.recv(4096):
+                pass
+        except OSError:
+            pass
+        os._exit(70)
+
+    def init_dist(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        for blob in cfg["custom_backends"]:
+            cloudpickle.loads(blob).register_in_torch()
+        if cfg["threads"]:
+            torch.set_num_threads(cfg["threads"])
+        device = cfg["device"]
+        if device == "cuda":
+            torch.cuda.set_device(cfg["local_rank"])
+        store = dist.FileStore(cfg["store_path"], cfg["world_size"])
+        dist.init_process_group(cfg["backend"], store=store, rank=self.rank,
+                                world_size=cfg["world_size"],
+                                timeout=timedelta(seconds=cfg["timeout"]))
+        self._guard_init()
+        self.ns.update({"__name__": "__main__", "__builtins__": __builtins__, "torch": torch,
+                        "dist": dist, "rank": self.rank, "world_size": cfg["world_size"],
+                        "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
+                        else torch.device("cpu")})
+        return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
+                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads()}
+
+    def _guard_init(self) -> None:
+        original = dist.init_process_group
+        msg = _INIT_MSG.format(backend=self.cfg["backend"], rank=self.rank,
+                               world=self.cfg["world_size"])
+
+        def init_process_group(*args, **kwargs):
+            if dist.is_initialized():
+                raise RuntimeError(msg)
+            return original(*args, **kwargs)
+
+        init_process_group.__doc__ = original.__doc__
+        dist.init_process_group = init_process_group
+
+    # ---- requests ---------------------------------------------------------------------------
+    def do_run(self, payload: bytes):
+        fn, args, kwargs = serialize.loads(payload)
+        return fn(*args, **kwargs)
+
+    def do_exec(self, payload):
+        source, filename = payload
+        tree = ast.parse(source, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(tree, filename, "exec"), self.ns)
+        if last is not None:
+            return eval(compile(last, filename, "eval"), self.ns)
+        return None
+
+    def do_push(self, payload: bytes):
+        self.ns.update(serialize.loads(payload))
+
+    def do_pull(self, names):
+        missing = [n for n in names if n not in self.ns]
+        if missing:
+            raise NameError(f"name{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+                            f"not defined on rank {self.rank}")
+        return tuple(self.ns[n] for n in names)
+
+    def serve(self, channel: transport.Channel) -> None:
+        handlers = {"run": self.do_run, "exec": self.do_exec, "push": self.do_push,
+                    "pull": self.do_pull, "ping": lambda payload: None}
+        while True:
+            kind, seq, payload = channel.recv()
+            if kind == "stop":
+                return
+            reply = self._handle(handlers[kind], payload, seq)
+            _flush_output()
+            channel.send_bytes(reply)
+
+    def _handle(self, handler, payload, seq) -> bytes:
+        try:
+            try:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                value = handler(payload)
+            finally:
+                signal.signal(signal.SIGINT, _ignore_sigint)
+        except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
+            return transport.encode(("err", seq, _failure(exc, self.rank)))
+        try:
+            data, _ = serialize.dumps(value, self.result_prefix, private=False, unlink=True)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file
+            text = (f"the result on rank {self.rank} ({type(value).__module__}."
+                    f"{type(value).__qualname__}) could not be pickled to send it back: "
+                    f"{type(exc).__name__}: {exc}. Return something picklable, or keep the "
+                    "object on the rank (assign it in exec) and pull what you need.")
+            return transport.encode(("err", seq, _failure(exc, self.rank, text)))
+        return transport.encode(("ok", seq, data))
+
+
+def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
+    """Describe an exception for the caller: type, message, traceback without nbdist's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, serialize.__file__):
+        tb = tb.tb_next
+    formatted = text + "\n" if text else "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        blob = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 -- the exception itself may not be picklable
+        blob = None
+    return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
+            "traceback": formatted, "time": time.time(), "exception": blob}
+
+
+def _flush_output() -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    if _libc is not None:
+        _libc.fflush(None)
+
+
+try:
+    _libc = ctypes.CDLL(None)
+    _libc.fflush.argtypes = [ctypes.c_void_p]
+except (OSError, AttributeError):  # pragma: no cover -- Windows
+    _libc = None
+
+
+def clean_environment(env: Dict[str, str]) -> Dict[str, str]:
+    """Drop launcher variables that would mislead code on the ranks (SLURM, torchelastic, MPI)."""
+    drop = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_", "MV2_")
+    clean = {k: v for k, v in env.items() if not k.startswith(drop)}
+    for k in ("GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME",
+              "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "NODE_RANK"):
+        clean.pop(k, None)
+    if clean.get("MPLBACKEND", "").startswith("module://"):
+        clean["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs IPython; ranks draw to files
+    return clean
+
+
+def main(cfg: Dict[str, Any]) -> None:
+    """Entry point of a local worker process (``cfg`` comes from :class:`nbdist.Group`)."""
+    signal.signal(signal.SIGINT, _ignore_sigint)
+    os.environ.clear()
+    os.environ.update(cfg["env"])
+    worker = _Worker(cfg)
+    worker.connect_streams()
+    channel = transport.Channel(transport.connect(tuple(cfg["address"]), cfg["key"],
+                                                  {"rank": worker.rank, "role": "control",
+                                                   "pid": os.getpid()}))
+    try:
+        info = worker.init_dist()
+    except BaseException as exc:  # noqa: BLE001 -- report, then exit
+        _flush_output()
+        channel.send(("init_err", -1, _failure(exc, worker.rank)))
+        os._exit(3)
+    channel.send(("ready", -1, info))
+    try:
+        worker.serve(channel)
+    except (ConnectionError, OSError):
+        os._exit(71)  # the controller is gone
+    try:
+        dist.destroy_process_group()
+    finally:
+        _flush_output()
+        os._exit(0)
