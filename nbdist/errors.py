@@ -49,6 +49,9 @@ class RemoteError(NbdistError):
                 f"{root.message}")
         if len(self.failures) > 1:
             head += f"\n(root cause: rank {root.rank}, the first failure observed)"
+        self.hint = hint_for(" ".join(f.message for f in self.failures.values()))
+        if self.hint:
+            head += f"\nnbdist: {self.hint}"
         super().__init__(head + "\n\n" + root.traceback.rstrip())
 
     @property
@@ -69,6 +72,8 @@ class RemoteError(NbdistError):
             lines.extend(failure.traceback.rstrip().splitlines())
         if len(self.failures) > 1:
             lines.append(f"(root cause: rank {self.root_cause.rank}, the first failure observed)")
+        if self.hint:
+            lines.append(f"nbdist: {self.hint}")
         return lines
 
 

@@ -207,6 +207,8 @@ class Group:
                 f"backend={self.backend!r}, device={self.device!r}>")
 
     def _shutdown(self) -> None:
+        if self._pump is None:
+            return  # already shut down
         stop_msg = transport.encode(("stop", 0, None))
         for r in self._ranks:
             if r.process.exitcode is None and r.channel is not None and r.state == "idle":
@@ -232,6 +234,7 @@ class Group:
         if self._pump is not None:
             self._pump.drain(flush_partial=True)
             self._pump.close()
+            self._pump = None
         serialize.remove_segments(serialize.leftover_segments(self.id))
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
@@ -358,11 +361,11 @@ class Group:
             while pending and not dead:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
+                    waiting = sorted(pending)
                     self._stop_pending(pending, replies, seq)
-                    names = ", ".join(map(str, sorted(pending)))
                     raise DistTimeoutError(
-                        f"rank{'s' if len(pending) > 1 else ''} {names} still running after "
-                        f"{timeout:g} s; {self._after_stop_text()}", sorted(pending))
+                        f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} "
+                        f"still running after {timeout:g} s; {self._after_stop_text()}", waiting)
                 self._poll(remaining, pending, replies, dead, seq)
         except KeyboardInterrupt:
             waiting = set(pending)

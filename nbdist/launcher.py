@@ -164,9 +164,15 @@ def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: Ou
         raise RankDiedError(dead, "while starting (before torch.distributed was initialised).")
     if failures:
         err = RemoteError(failures)
+        absent = [r for r in ranks if r.state != "idle" and r.rank not in failures]
+        why = "".join(
+            f" Rank {r.rank} never got there ("
+            + (f"still alive, pid {r.pid}: stuck before or inside the rendezvous"
+               if r.process.exitcode is None else f"exit code {r.process.exitcode}") + ")."
+            for r in absent)
         raise NbdistError(f"torch.distributed could not be initialised on rank"
                           f"{'s' if len(failures) > 1 else ''} {', '.join(map(str, failures))}: "
-                          f"{err.root_cause.type_name}: {err.root_cause.message}") from err
+                          f"{err.root_cause.type_name}: {err.root_cause.message}.{why}") from err
 
 
 def _accept(listener, key, ranks, pump, sel) -> None:

@@ -83,6 +83,8 @@ class _Worker:
 
     def init_dist(self) -> Dict[str, Any]:
         cfg = self.cfg
+        # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again.
+        dist.set_debug_level_from_env()
         for blob in cfg["custom_backends"]:
             cloudpickle.loads(blob).register_in_torch()
         if cfg["threads"]:

@@ -1,0 +1,65 @@
+"""Command line: ``python -m nbdist doctor | demo``.
+
+``doctor`` prints what nbdist sees on this machine: torch version, devices, which backends are
+usable (and why not, for the others) and which one ``"auto"`` picks here. ``demo`` starts a small
+group, runs an all_reduce on it and prints the per-rank results.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import sys
+from typing import List, Optional
+
+
+def doctor() -> int:
+    """Print the environment report; return the exit code."""
+    import torch
+
+    from . import __version__, backends
+
+    print(f"nbdist {__version__}, torch {torch.__version__}, Python {platform.python_version()} "
+          f"on {platform.system()} {platform.machine()}")
+    cuda = torch.cuda.is_available()
+    print(f"devices: cpu ({__import__('os').cpu_count()} cores)"
+          + (f", cuda x{torch.cuda.device_count()} ({torch.cuda.get_device_name(0)})" if cuda
+             else ", no CUDA device visible"))
+    for device in ["cpu"] + (["cuda"] if cuda else []):
+        print(f"backends for {device}:")
+        for name, ok, reason in backends.backend_report(device):
+            print(f"  {'+' if ok else '-'} {name:8s} {reason}")
+        choice = backends.resolve_backend("auto", device)
+        why = choice.note or ("NCCL is the fastest for CUDA tensors" if choice.backend == "nccl"
+                              else "gloo handles CPU tensors on every platform")
+        env = f" (${backends.ENV_VAR} is set)" if __import__("os").environ.get(backends.ENV_VAR) else ""
+        print(f"  auto picks {choice.backend!r} for {device}{env}: {why}")
+    return 0
+
+
+def demo(world_size: int) -> int:
+    """Start a group, all_reduce on it, print per-rank values, stop."""
+    import nbdist
+
+    with nbdist.start(world_size) as g:
+        print(g)
+        out = g.exec("t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nprint('rank', rank, "
+                     "'sees', t.tolist())\nt.tolist()")
+        print("per-rank results:", out)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Entry point of ``python -m nbdist`` and the ``nbdist`` console script."""
+    parser = argparse.ArgumentParser(prog="nbdist", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("doctor", help="what nbdist sees on this machine")
+    p_demo = sub.add_parser("demo", help="start a group and all_reduce on it")
+    p_demo.add_argument("--world-size", "-n", type=int, default=2)
+    args = parser.parse_args(argv)
+    if args.command == "doctor":
+        return doctor()
+    return demo(args.world_size)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

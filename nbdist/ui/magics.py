@@ -1,0 +1,418 @@
+"""IPython magics: ``%load_ext nbdist``, then run cells on the ranks of a group.
+
+=====================  =================================================================
+``%dist_start``        start a group (``-n N``, ``--backend``, ``--device``, ``--timeout``)
+``%%dist``             run the cell on the ranks (``--ranks 0,2``, ``--timeout S``, ``-q``)
+``%dist statement``    the one-line form (end the options with ``--`` if needed)
+``%autodist``          every cell runs on the ranks until ``%autodist`` again
+``%dist_push a b``     copy kernel variables to the ranks; ``%dist_pull x [--rank R]`` back
+``%dist_status``       per-rank table; ``%dist_restart``, ``%dist_stop``
+=====================  =================================================================
+
+Each magic prints its help with ``%dist_start?``; wrong arguments raise ``UsageError``.
+
+The current group
+    The magics work on one *current group*: the one ``%dist_start`` started, or one started in
+    code and attached with :func:`use_group`. Code gets the same object from
+    :func:`current_group`, so ``g = current_group(); g.run(fn)`` and ``%%dist`` share the ranks.
+
+Output
+    What the ranks print arrives while the cell runs, in that cell, one ``[rank r]`` line each
+    (the group relays it in the context of the call, which ipykernel >= 7 routes to the cell that
+    made the call). The value of a cell's last expression is shown per rank, ``Out[rank r]:``,
+    with the object's rich representation where it has one.
+
+Adding magics (``%dist_bench``, ``%dist_mem``, ``%dist_ui``)
+    Another module subclasses :class:`NbdistMagics` (``self.group``, ``self.parse``), decorates
+    the class with IPython's ``@magics_class`` and with :func:`register_magics`. Registered classes
+    are loaded by ``%load_ext nbdist`` (and added at once to a shell that has it loaded already),
+    and removed by ``%unload_ext nbdist``.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import html
+import re
+import weakref
+from typing import Iterator, List, Optional, Sequence
+
+from IPython.core.error import UsageError
+from IPython.core.getipython import get_ipython
+from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import publish_display_data
+
+from ..errors import NbdistError
+from ..group import Group, start
+
+_current: Optional[Group] = None
+_started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
+_magic_classes: List[type] = []
+
+
+def current_group() -> Optional[Group]:
+    """The group the magics use (started by ``%dist_start`` or attached with :func:`use_group`),
+    or ``None``. Code, widgets and magics that call this share one object."""
+    return _current
+
+
+def use_group(group: Optional[Group]) -> None:
+    """Make ``group`` (e.g. from ``nbdist.start()``) the one the magics use; ``None`` detaches.
+
+    A group attached this way is not stopped by ``%unload_ext nbdist``: its owner stops it.
+    """
+    global _current
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
+    _current = group
+
+
+def register_magics(cls: type) -> type:
+    """Class decorator: load this ``Magics`` subclass with ``%load_ext nbdist``."""
+    names = [c.__name__ for c in _magic_classes]
+    if cls.__name__ in names:
+        raise ValueError(f"a magics class named {cls.__name__!r} is already registered "
+                         f"(registered: {', '.join(names)}); give the class another name.")
+    _magic_classes.append(cls)
+    shell = get_ipython()
+    if shell is not None and _is_loaded(shell):
+        shell.register_magics(cls)
+    return cls
+
+
+def _is_loaded(shell) -> bool:
+    return any(isinstance(m, NbdistMagics) for m in shell.magics_manager.registry.values())
+
+
+def load_ipython_extension(shell) -> None:
+    """Register the magics of every registered class; loading again changes nothing."""
+    for cls in _magic_classes:
+        if cls.__name__ not in shell.magics_manager.registry:
+            shell.register_magics(cls)
+
+
+def unload_ipython_extension(shell) -> None:
+    """Remove the magics, turn ``%autodist`` off and stop the groups the magics started."""
+    for cls in _magic_classes:
+        magics = shell.magics_manager.registry.pop(cls.__name__, None)
+        if magics is None:
+            continue
+        if isinstance(magics, DistMagics):
+            magics.autodist_off()
+        for kind in ("line", "cell"):
+            for name in magics.magics[kind]:
+                shell.magics_manager.magics[kind].pop(name, None)
+    for group in list(_started):
+        group.stop()
+    if _current is not None and _current.state == "stopped":
+        use_group(None)
+
+
+def _positive(kind):
+    def convert(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
+        return value
+
+    convert.__name__ = kind.__name__
+    return convert
+
+
+def _rank_list(text: str) -> List[int]:
+    try:
+        ranks = [int(part) for part in text.split(",")]
+    except ValueError:
+        ranks = [-1]
+    if min(ranks) < 0:
+        raise argparse.ArgumentTypeError(
+            f"expected rank numbers separated by commas, e.g. 0,2; got {text!r}")
+    return ranks
+
+
+@contextlib.contextmanager
+def _plain_errors() -> Iterator[None]:
+    """Let nbdist's errors reach IPython as they are, shown without nbdist's own frames.
+
+    ``RemoteError`` renders the ranks' tracebacks itself; the others (interrupted, timed out,
+    rank died, group closed) are shown as their type and message, which say what happened.
+    """
+    try:
+        yield
+    except NbdistError as err:
+        if not hasattr(err, "_render_traceback_"):
+            text = f"\x1b[31m{type(err).__name__}\x1b[0m: {err}"
+            err._render_traceback_ = lambda: text.splitlines()
+        raise
+
+
+class NbdistMagics(Magics):
+    """Base class of nbdist's magics: the current group and argument parsing."""
+
+    @property
+    def group(self) -> Group:
+        """The current group; ``UsageError`` if there is none."""
+        if _current is None:
+            raise UsageError("no nbdist group is running: start one with %dist_start -n 2, or "
+                             "attach one started in code with nbdist.ui.magics.use_group(g).")
+        return _current
+
+    def parse(self, magic, line: str) -> argparse.Namespace:
+        """Parse ``line`` for ``magic``; a mistake raises ``UsageError`` ending in the usage."""
+        try:
+            return parse_argstring(magic, line)
+        except UsageError as err:
+            raise UsageError(f"{err}\n{usage(magic)}") from None
+
+
+def usage(magic) -> str:
+    """The one-line usage of a magic: ``usage: %dist [--ranks R[,R...]] ...``."""
+    return "usage: " + " ".join(magic.parser.format_usage().replace("::", "").split())
+
+
+@register_magics
+@magics_class
+class DistMagics(NbdistMagics):
+    """``%dist_start``, ``%%dist``, ``%autodist``, push/pull, status, restart and stop."""
+
+    _VALUED = ("--ranks", "--timeout")  # %dist options that take a value (or a prefix of one)
+
+    def __init__(self, shell=None, **kwargs):
+        super().__init__(shell=shell, **kwargs)
+        self._autodist: Optional[str] = None  # the %%dist options while %autodist is on
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @line_magic
+    @magic_arguments()
+    @argument("-n", "--world-size", type=_positive(int), default=2, metavar="N",
+              help="number of ranks (2)")
+    @argument("--backend", default="auto", metavar="B", help="gloo, nccl, ... (default: auto)")
+    @argument("--device", default="auto", metavar="D", help="cpu, cuda or auto")
+    @argument("--timeout", type=_positive(float), default=60.0, metavar="S",
+              help="torch.distributed timeout in seconds (60)")
+    def dist_start(self, line: str = "") -> None:
+        """Start a group of worker processes and make it the current one.
+
+        If a group is already running this reports it; use %dist_restart to change it.
+        """
+        args = self.parse(self.dist_start, line)
+        if _current is not None and _current.state != "stopped":
+            print(f"nbdist: a group is already running: {_current!r}; "
+                  "change it with %dist_restart, or %dist_stop it first.")
+            return
+        with self._usage(self.dist_start), _plain_errors():
+            group = start(args.world_size, args.backend, args.device, args.timeout)
+        _started.add(group)
+        use_group(group)
+        self._say_ready(group, "started")
+
+    @line_magic
+    @magic_arguments()
+    @argument("-n", "--world-size", type=_positive(int), metavar="N", help="new number of ranks")
+    @argument("--backend", metavar="B", help="new backend")
+    @argument("--device", metavar="D", help="new device")
+    @argument("--timeout", type=_positive(float), metavar="S",
+              help="new torch.distributed timeout (s)")
+    def dist_restart(self, line: str = "") -> None:
+        """Restart the current group with fresh workers; options not given stay as they were.
+
+        Variables on the ranks are lost.
+        """
+        args = self.parse(self.dist_restart, line)
+        changes = {name: value for name, value in vars(args).items() if value is not None}
+        group = self.group
+        with self._usage(self.dist_restart), _plain_errors():
+            group.restart(**changes)
+        self._say_ready(group, "restarted")
+
+    @line_magic
+    @magic_arguments()
+    def dist_stop(self, line: str = "") -> None:
+        """Stop the current group's workers; %dist_start starts a new group."""
+        self.parse(self.dist_stop, line)
+        if _current is None:
+            print("nbdist: no group is running.")
+            return
+        with _plain_errors():
+            _current.stop()
+        use_group(None)
+        self.autodist_off()
+        print("nbdist: group stopped.")
+
+    @line_magic
+    @magic_arguments()
+    def dist_status(self, line: str = "") -> None:
+        """Show each rank's state, pid, device, backend and memory (a table in Jupyter)."""
+        self.parse(self.dist_status, line)
+        if _current is None:
+            print("nbdist: no group is running; start one with %dist_start.")
+            return
+        status = _current.status()
+        publish_display_data({"text/plain": str(status), "text/html": status._repr_html_()})
+
+    # ---- running code -------------------------------------------------------------------------
+    @line_cell_magic
+    @magic_arguments()
+    @argument("--ranks", type=_rank_list, metavar="R[,R...]",
+              help="comma-separated ranks, e.g. 0,2 (default: all)")
+    @argument("--timeout", type=_positive(float), metavar="S", help="deadline for the cell (s)")
+    @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
+    def dist(self, line: str = "", cell: Optional[str] = None) -> None:
+        """Run Python code on the ranks: the cell (%%dist) or one statement (%dist statement).
+
+        Each rank runs it in its own namespace, which persists across cells and starts with
+        torch, dist, rank, world_size and device. What the ranks print appears labelled by rank;
+        the value of the last expression is shown per rank. In the one-line form, end the options
+        with -- when the statement itself starts with --.
+        """
+        if cell is None:
+            options, cell = self._split_options(line)
+            args = self.parse(self.dist, options)
+            if not cell:
+                raise UsageError("%dist needs a statement to run on the ranks, e.g. "
+                                 f"%dist print(rank)\n{usage(self.dist)}")
+        else:
+            args = self.parse(self.dist, line)
+        self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
+
+    def run_on_ranks(self, source: str, ranks: Optional[Sequence[int]] = None,
+                     timeout: Optional[float] = None, quiet: bool = False) -> None:
+        """Run ``source`` on ``ranks`` of the current group and show each rank's value."""
+        group = self.group
+        targets = list(range(group.world_size)) if ranks is None else sorted(set(ranks))
+        bad = [r for r in targets if r >= group.world_size]
+        if bad:
+            raise UsageError(f"--ranks {','.join(map(str, bad))}: the group has ranks "
+                             f"0..{group.world_size - 1}\n{usage(self.dist)}")
+        with _plain_errors():
+            values = group.exec(source, ranks=targets, timeout=timeout)
+        if not quiet:
+            for rank, value in zip(targets, values):
+                if value is not None:
+                    self._show(rank, value)
+
+    def _show(self, rank: int, value) -> None:
+        data, metadata = self.shell.display_formatter.format(value)
+        if not data:
+            return  # the object displayed itself (_ipython_display_)
+        label = f"Out[rank {rank}]:"
+        if set(data) - {"text/plain", "text/html"}:  # an image, JSON, ...: header, then as it is
+            publish_display_data({"text/plain": label, "text/html": f"<b>{html.escape(label)}</b>"})
+            publish_display_data(data, metadata)
+            return
+        plain = data.get("text/plain", "")
+        data["text/plain"] = label + ("\n" if "\n" in plain else " ") + plain
+        if "text/html" in data:
+            data["text/html"] = f"<div><b>{html.escape(label)}</b></div>" + data["text/html"]
+        publish_display_data(data, metadata)
+
+    def _split_options(self, line: str):
+        """``--ranks 0 --quiet x = 1`` -> (``"--ranks 0 --quiet"``, ``"x = 1"``)."""
+        options: List[str] = []
+        rest = line
+        while True:
+            match = re.match(r"\s*(\S+)", rest)
+            if match is None or not (match.group(1).startswith("--") or match.group(1) == "-q"):
+                break
+            word = match.group(1)
+            rest = rest[match.end():]
+            if word == "--":
+                break
+            options.append(word)
+            if "=" not in word and len(word) > 2 and any(v.startswith(word) for v in self._VALUED):
+                value = re.match(r"\s*(\S+)", rest)
+                if value is not None:
+                    options.append(value.group(1))
+                    rest = rest[value.end():]
+        return " ".join(options), rest.strip()
+
+    @line_magic
+    @magic_arguments()
+    @argument("--ranks", type=_rank_list, metavar="R[,R...]",
+              help="comma-separated ranks, e.g. 0,2 (default: all)")
+    @argument("--timeout", type=_positive(float), metavar="S", help="deadline for each cell (s)")
+    @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
+    def autodist(self, line: str = "") -> None:
+        """Toggle running every cell on the ranks, as if each began with %%dist (and these options).
+
+        Cells that start with % or ! (magics, shell commands) still run in the kernel, so
+        %autodist again turns it off.
+        """
+        args = self.parse(self.autodist, line)
+        if self._autodist is not None:
+            self.autodist_off()
+            print("nbdist: autodist off: cells run in the kernel again.")
+            return
+        self.group  # noqa: B018 -- UsageError now, not on the next cell
+        options = [f"--ranks {','.join(map(str, args.ranks))}" if args.ranks else "",
+                   f"--timeout {args.timeout:g}" if args.timeout else "",
+                   "--quiet" if args.quiet else ""]
+        self._autodist = " ".join(o for o in options if o)
+        self.shell.input_transformers_cleanup.append(self._autodist_transform)
+        print("nbdist: autodist on: every cell runs on the ranks; %autodist turns it off.")
+
+    def autodist_off(self) -> None:
+        """Turn ``%autodist`` off (nothing happens if it is off)."""
+        if self._autodist_transform in self.shell.input_transformers_cleanup:
+            self.shell.input_transformers_cleanup.remove(self._autodist_transform)
+        self._autodist = None
+
+    def _autodist_transform(self, lines: List[str]) -> List[str]:
+        first = next((line.lstrip() for line in lines if line.strip()), "")
+        if self._autodist is None or not first or first.startswith(("%", "!")):
+            return lines
+        return [f"%%dist {self._autodist}\n"] + lines
+
+    _autodist_transform.has_side_effects = True  # keeps IPython's is-complete check unaffected
+
+    # ---- variables ----------------------------------------------------------------------------
+    @line_magic
+    @magic_arguments()
+    @argument("names", nargs="+", help="kernel variables to copy to the ranks")
+    @argument("--ranks", type=_rank_list, metavar="R[,R...]",
+              help="comma-separated ranks (default: all)")
+    def dist_push(self, line: str = "") -> None:
+        """Copy kernel variables, by name, to the ranks (tensors travel via shared memory)."""
+        args = self.parse(self.dist_push, line)
+        missing = [name for name in args.names if name not in self.shell.user_ns]
+        if missing:
+            raise UsageError(f"not defined in the kernel: {', '.join(missing)}\n"
+                             f"{usage(self.dist_push)}")
+        with self._usage(self.dist_push), _plain_errors():
+            self.group.push({name: self.shell.user_ns[name] for name in args.names},
+                            ranks=args.ranks)
+
+    @line_magic
+    @magic_arguments()
+    @argument("names", nargs="+", help="variables to copy from the ranks into the kernel")
+    @argument("--rank", type=int, metavar="R",
+              help="take the value of this rank (default: a list, one per rank)")
+    def dist_pull(self, line: str = "") -> None:
+        """Copy variables from the ranks into the kernel: a list with one value per rank, or the
+        value of one rank with --rank R."""
+        args = self.parse(self.dist_pull, line)
+        ranks = None if args.rank is None else [args.rank]
+        with self._usage(self.dist_pull), _plain_errors():
+            values = self.group.pull(*args.names, ranks=ranks)
+        for i, name in enumerate(args.names):
+            per_rank = [v if len(args.names) == 1 else v[i] for v in values]
+            self.shell.user_ns[name] = per_rank if args.rank is None else per_rank[0]
+
+    # ---- helpers ------------------------------------------------------------------------------
+    @staticmethod
+    @contextlib.contextmanager
+    def _usage(magic) -> Iterator[None]:
+        """Turn the group's argument errors (``ValueError``/``TypeError``) into ``UsageError``."""
+        try:
+            yield
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"{err}\n{usage(magic)}") from None
+
+    @staticmethod
+    def _say_ready(group: Group, what: str) -> None:
+        print(f"nbdist: {what} {group.world_size} ranks (backend {group.backend}, device "
+              f"{group.device}); run a cell on them with %%dist.")

@@ -1,0 +1,88 @@
+"""Suite-wide fixtures: every test is checked for leaked child processes and shm segments."""
+import glob
+import multiprocessing.forkserver as mp_forkserver
+import os
+import time
+
+import psutil
+import pytest
+
+
+def _helper_pids():
+    """multiprocessing's own long-lived helpers (forkserver, resource tracker): not leaks."""
+    import multiprocessing.resource_tracker as mp_tracker
+
+    server = getattr(mp_forkserver, "_forkserver", None)
+    tracker = getattr(mp_tracker, "_resource_tracker", None)
+    return {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None)}
+
+
+def _children():
+    me = psutil.Process()
+    try:
+        procs = me.children(recursive=True)
+    except psutil.Error:
+        return {}
+    keep = {}
+    helpers = _helper_pids()
+    for p in procs:
+        if p.pid in helpers:
+            continue
+        try:
+            if p.status() == psutil.STATUS_ZOMBIE:
+                continue
+            keep[p.pid] = " ".join(p.cmdline())[:200]
+        except psutil.Error:
+            pass
+    return keep
+
+
+def _segments():
+    return set(glob.glob("/dev/shm/nbdist-*"))
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request):
+    """Fail a test that leaves child processes or nbdist shared-memory segments behind."""
+    before = _children()
+    segs_before = _segments()
+    yield
+    if request.node.get_closest_marker("allow_leaks"):
+        return
+    deadline = time.monotonic() + 5.0
+    leaked = {}
+    while time.monotonic() < deadline:
+        leaked = {pid: cmd for pid, cmd in _children().items() if pid not in before}
+        if not leaked:
+            break
+        time.sleep(0.1)
+    for pid in leaked:
+        try:
+            psutil.Process(pid).kill()
+        except psutil.Error:
+            pass
+    new_segs = _segments() - segs_before
+    for path in new_segs:
+        os.unlink(path)
+    assert not leaked, f"test leaked child processes: {leaked}"
+    assert not new_segs, f"test leaked shared-memory segments: {sorted(new_segs)}"
+
+
+@pytest.fixture
+def group():
+    """A fresh 2-rank gloo group, stopped after the test."""
+    import nbdist
+
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    yield g
+    g.stop()
+
+
+@pytest.fixture(scope="module")
+def shared_group():
+    """A 2-rank group shared by a module's tests (they must leave it usable)."""
+    import nbdist
+
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    yield g
+    g.stop()
