@@ -211,16 +211,17 @@ class Group:
             return  # already shut down
         stop_msg = transport.encode(("stop", 0, None))
         for r in self._ranks:
-            if r.process.exitcode is None and r.channel is not None and r.state == "idle":
+            if r.exitcode is None and r.channel is not None and r.state == "idle":
                 try:
                     r.channel.send_bytes(stop_msg)
                 except OSError:
                     pass
-            elif r.process.exitcode is None:
+            elif r.exitcode is None:
                 r.process.kill()
         deadline = time.monotonic() + 2.0
         for r in self._ranks:
-            r.process.join(max(0.0, deadline - time.monotonic()))
+            if r.exitcode is None:
+                r.process.join(max(0.0, deadline - time.monotonic()))
         launcher.kill_all(self._ranks)
         for r in self._ranks:
             self._pump.wait_eof(r.rank, 0.5)
@@ -439,10 +440,9 @@ class Group:
             dead |= more
         deaths = {}
         for r in sorted(dead):
-            proc = self._ranks[r].process
-            proc.join(1.0)
+            self._ranks[r].process.join(1.0)
             self._pump.wait_eof(r, 1.0)
-            deaths[r] = (proc.exitcode, self._pump.tail(r))
+            deaths[r] = (self._ranks[r].exitcode, self._pump.tail(r))
             self._ranks[r].state = "dead"
         self._break()
         tails = " ".join(t for _, t in deaths.values())
@@ -488,7 +488,7 @@ class Group:
             info = r.info or {}
             rss = None
             state = r.state
-            if r.process.exitcode is not None and state not in ("stopped",):
+            if r.exitcode is not None and state not in ("stopped",):
                 state = "dead"
             elif state not in ("stopped", "dead"):
                 try:
@@ -497,7 +497,7 @@ class Group:
                     pass
             rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
                                    info.get("backend", self.backend), state, r.busy_with if
-                                   state == "busy" else "", r.since, r.process.exitcode, rss,
+                                   state == "busy" else "", r.since, r.exitcode, rss,
                                    r.last_error))
         return GroupStatus(self._state, self.world_size, self.backend, self.device, rows)
 

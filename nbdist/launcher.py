@@ -75,11 +75,21 @@ class Rank:
     busy_with: str = ""
     since: Optional[float] = None
     last_error: str = ""
+    pid: Optional[int] = None
+    _exitcode: Optional[int] = None
+    _released: bool = False
 
     @property
-    def pid(self) -> Optional[int]:
-        """The worker's process id."""
-        return self.process.pid
+    def exitcode(self) -> Optional[int]:
+        """The worker's exit code (negative: killed by that signal); ``None`` while it runs."""
+        return self._exitcode if self._released else self.process.exitcode
+
+    def release(self) -> None:
+        """Free the process handle's pipes once the worker has exited (keeps its exit code)."""
+        if not self._released and self.process.exitcode is not None:
+            self._exitcode = self.process.exitcode
+            self.process.close()
+            self._released = True
 
 
 def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dict[str, str]:
@@ -114,7 +124,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
             proc = ctx.Process(target=worker.main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
             with _main_hidden():
                 proc.start()
-            ranks.append(Rank(r, proc))
+            ranks.append(Rank(r, proc, pid=proc.pid))
         _wait_ready(ranks, listener, key, pump, init_timeout)
     except BaseException:
         kill_all(ranks)
@@ -153,7 +163,7 @@ def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: Ou
                     _on_control(ranks[idx], sel, failures, dead)
                 else:
                     ranks[idx].process.join(1.0)
-                    dead[idx] = (ranks[idx].process.exitcode, "")
+                    dead[idx] = (ranks[idx].exitcode, "")
                     sel.unregister(key_.fileobj)
     finally:
         sel.close()
@@ -168,7 +178,7 @@ def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: Ou
         why = "".join(
             f" Rank {r.rank} never got there ("
             + (f"still alive, pid {r.pid}: stuck before or inside the rendezvous"
-               if r.process.exitcode is None else f"exit code {r.process.exitcode}") + ")."
+               if r.exitcode is None else f"exit code {r.exitcode}") + ")."
             for r in absent)
         raise NbdistError(f"torch.distributed could not be initialised on rank"
                           f"{'s' if len(failures) > 1 else ''} {', '.join(map(str, failures))}: "
@@ -197,7 +207,7 @@ def _on_control(r: Rank, sel, failures, dead) -> None:
         kind, _, body = r.channel.recv()
     except (ConnectionError, OSError):
         r.process.join(1.0)
-        dead[r.rank] = (r.process.exitcode, "")
+        dead[r.rank] = (r.exitcode, "")
         sel.unregister(r.channel.sock)
         return
     if kind == "ready":
@@ -222,16 +232,15 @@ def failure_from(body: Dict[str, Any]) -> RemoteFailure:
 def kill_all(ranks: List[Rank]) -> None:
     """SIGKILL every worker still running and reap it."""
     for r in ranks:
-        if r.process.exitcode is None:
+        if r.exitcode is None:
             try:
                 r.process.kill()
             except (OSError, ValueError, AttributeError):
                 pass
     for r in ranks:
-        try:
+        if not r._released:
             r.process.join(5.0)
-        except (AssertionError, ValueError):
-            pass
+            r.release()
         if r.channel is not None:
             r.channel.close()
 

@@ -1,0 +1,203 @@
+"""No orphans, no leaks, and a closed door (issue 3)."""
+import glob
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import psutil
+import pytest
+
+import nbdist
+from nbdist import transport
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _wait_gone(pids, seconds):
+    deadline = time.monotonic() + seconds
+    alive = list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in alive if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.05)
+    return alive
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_workers_exit_when_the_caller_dies(how):
+    script = textwrap.dedent(f"""
+        import os, sys, time, nbdist
+        g = nbdist.start(2)
+        g.exec("import time") ; print(*[r.pid for r in g.status().ranks], flush=True)
+        {'time.sleep(600)' if how == 'sigkill' else 'os._exit(0)'}
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        if how == "sigkill":
+            proc.kill()
+        proc.wait(30)
+        assert _wait_gone(pids, 10) == [], "workers outlived their caller"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_busy_workers_exit_when_the_caller_is_killed():
+    script = textwrap.dedent("""
+        import threading, nbdist
+        g = nbdist.start(2)
+        print(*[r.pid for r in g.status().ranks], flush=True)
+        g.exec("import time; time.sleep(600)")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(x) for x in proc.stdout.readline().split()]
+        time.sleep(0.5)
+        proc.kill()
+        proc.wait(30)
+        assert _wait_gone(pids, 10) == []
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_fifty_start_stop_cycles_leave_nothing_behind():
+    with nbdist.start(2) as warm:  # warm the forkserver and torch state first
+        warm.run(int)
+    fds0, threads0 = _fds(), len(psutil.Process().threads())
+    tmp0 = set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*")))
+    pids = set()
+    for i in range(50):
+        g = nbdist.start(2)
+        pids.update(r.pid for r in g.status().ranks)
+        if i % 10 == 0:
+            g.push(t=__import__("torch").ones(100_000))
+        g.stop()
+    assert _wait_gone(pids, 5) == []
+    assert _fds() <= fds0, f"file descriptors leaked: {fds0} -> {_fds()}"
+    assert len(psutil.Process().threads()) <= threads0
+    assert set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*"))) == tmp0
+    assert glob.glob("/dev/shm/nbdist-*") == []
+    listening = [c for c in psutil.Process().net_connections() if c.status == "LISTEN"]
+    assert listening == []
+
+
+def _listening_ports(group):
+    out = []
+    for pid in [os.getpid()] + [r.pid for r in group.status().ranks]:
+        for c in psutil.Process(pid).net_connections(kind="inet"):
+            if c.status == "LISTEN":
+                out.append((pid, c.laddr.ip, c.laddr.port))
+    return out
+
+
+def test_every_listening_socket_is_on_loopback():
+    with nbdist.start(2) as g:
+        ports = _listening_ports(g)
+        assert ports, "expected gloo's listeners in the workers"
+        assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in ports), ports
+
+
+class Evil:
+    def __reduce__(self):
+        return (os.system, (f"touch {EVIDENCE}",))
+
+
+EVIDENCE = os.path.join(tempfile.gettempdir(), f"nbdist-pwned-{os.getpid()}")
+
+
+def _attacks(port):
+    payload = pickle.dumps(Evil())
+    attempts = [b"", b"\x00" * 64, b"GET / HTTP/1.1\r\n\r\n", payload,
+                b"\x00" * 8 + payload, os.urandom(4096)]
+    for data in attempts:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=2) as s:
+                if data:
+                    s.sendall(data)
+                s.settimeout(0.5)
+                try:
+                    s.recv(100)
+                except OSError:
+                    pass
+        except OSError:
+            pass
+
+
+def test_garbage_and_malicious_pickles_on_every_port_run_nothing():
+    with nbdist.start(2) as g:
+        g.push(keep=1)
+        for _, _, port in _listening_ports(g):
+            _attacks(port)
+        assert not os.path.exists(EVIDENCE)
+        assert g.pull("keep") == [1, 1]
+        assert g.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
+
+
+def test_the_control_listener_refuses_peers_without_the_key():
+    key = transport.new_key()
+    server = transport.listen()
+    port = server.getsockname()[1]
+    try:
+        for data in (b"", b"junk" * 10, pickle.dumps(Evil())):
+            client = socket.create_connection(("127.0.0.1", port))
+            conn, _ = server.accept()
+            if data:
+                client.sendall(data)
+            client.shutdown(socket.SHUT_WR)
+            with pytest.raises(transport.AuthenticationError):
+                transport.server_handshake(conn, key, timeout=2)
+            conn.close()
+            client.close()
+        # A peer with the wrong key fails; the right key passes and its hello arrives.
+        for k, ok in ((transport.new_key(), False), (key, True)):
+            client = socket.create_connection(("127.0.0.1", port))
+            conn, _ = server.accept()
+            import threading
+
+            errors = []
+            t = threading.Thread(target=lambda: _client_side(client, k, errors))
+            t.start()
+            if ok:
+                assert transport.server_handshake(conn, key, timeout=5) == {"rank": 0}
+            else:
+                with pytest.raises(transport.AuthenticationError, match="does not hold the group key"):
+                    transport.server_handshake(conn, key, timeout=5)
+                conn.close()
+            t.join(10)
+            conn.close()
+            client.close()
+        assert not os.path.exists(EVIDENCE)
+    finally:
+        server.close()
+
+
+def _client_side(sock, key, errors):
+    try:
+        transport.client_handshake(sock, key, {"rank": 0}, timeout=5)
+    except transport.AuthenticationError as err:
+        errors.append(err)
+
+
+def test_a_silent_peer_times_out_instead_of_hanging():
+    server = transport.listen()
+    try:
+        client = socket.create_connection(server.getsockname())
+        conn, _ = server.accept()
+        with pytest.raises(transport.AuthenticationError, match="handshake failed"):
+            transport.server_handshake(conn, transport.new_key(), timeout=0.5)
+        conn.close()
+        client.close()
+    finally:
+        server.close()
