@@ -201,3 +201,37 @@ def test_a_silent_peer_times_out_instead_of_hanging():
         client.close()
     finally:
         server.close()
+
+
+def test_a_rank_writing_a_lot_to_stderr_does_not_block():
+    counts = {0: 0, 1: 0}
+
+    def sink(rank, stream, text):
+        counts[rank] += len(text.splitlines())
+
+    with nbdist.start(2, output=sink) as g:
+        g.exec("import sys\nfor i in range(20000): print('x' * 50, i, file=sys.stderr)")
+        assert counts == {0: 20000, 1: 20000}
+
+
+def test_two_callers_on_one_machine_do_not_interfere():
+    script = textwrap.dedent("""
+        import nbdist
+        with nbdist.start(2) as g:
+            for i in range(30):
+                out = g.exec("t = torch.ones(1000) * (rank + 1); dist.all_reduce(t); t[0].item()")
+                assert out == [3.0, 3.0], out
+        print("other ok", flush=True)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        with nbdist.start(2) as g:
+            for _ in range(30):
+                assert g.exec("t = torch.ones(1000) * (rank + 5); dist.all_reduce(t); t[0].item()") \
+                    == [11.0, 11.0]
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 0 and "other ok" in out
+    finally:
+        proc.kill()
+        proc.wait()
