@@ -1,4 +1,4 @@
-"""Command line: ``python -m nbdist doctor | demo``.
+"""Command line: ``python -m nbdist doctor | demo | bench | mem``.
 
 ``doctor`` prints what nbdist sees on this machine: torch version, devices, which backends are
 usable (and why not, for the others) and which one ``"auto"`` picks here. ``demo`` starts a small
@@ -50,9 +50,20 @@ def demo(world_size: int) -> int:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m nbdist`` and the ``nbdist`` console script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        from .bench import cli
+
+        return cli(argv[1:])
+    if argv and argv[0] == "mem":
+        from .memory import cli
+
+        return cli(argv[1:])
     parser = argparse.ArgumentParser(prog="nbdist", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser("doctor", help="what nbdist sees on this machine")
+    sub.add_parser("bench", help="collective benchmark sweep (see: nbdist bench --help)")
+    sub.add_parser("mem", help="per-rank sharded memory vs the ZeRO formulas (nbdist mem --help)")
     p_demo = sub.add_parser("demo", help="start a group and all_reduce on it")
     p_demo.add_argument("--world-size", "-n", type=int, default=2)
     args = parser.parse_args(argv)
