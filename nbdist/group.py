@@ -10,25 +10,21 @@ with the remote traceback and leaves the group usable.
 from __future__ import annotations
 
 import atexit
-import contextvars
 import itertools
 import os
 import secrets
 import selectors
 import shutil
-import signal
 import tempfile
 import threading
 import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-import cloudpickle
-
 from . import launcher, serialize, transport
 from .backends import resolve_backend
-from .errors import (DistTimeoutError, GroupClosedError, GroupInterrupted, RankDiedError,
-                     RemoteError, RemoteFailure, hint_for)
+from .errors import GroupClosedError
+from .dispatch import CallEngine
 from .output import OutputPump, Sink
 from .status import GroupStatus, RankStatus
 
@@ -44,7 +40,7 @@ def _say_once(note: Optional[str]) -> None:
         print(note, file=sys.stderr)
 
 
-class Group:
+class Group(CallEngine):
     """A persistent group of ``world_size`` worker processes with torch.distributed initialised.
 
     Args:
@@ -328,155 +324,6 @@ class Group:
                 return
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
                                    "above); call restart() to start fresh workers.")
-
-    def _call(self, kind: str, payload: Any, ranks, timeout, what: str, segments=()) -> List[Any]:
-        try:
-            with self._lock:
-                targets = self._targets(ranks)
-                self._check_usable()
-                timeout = timeout if timeout is not None else self._opts["call_timeout"]
-                if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
-                    raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-                seq = next(self._seq)
-                msg = transport.encode((kind, seq, payload))
-                self._pump.context = contextvars.copy_context()
-                now = time.time()
-                for r in targets:
-                    rank = self._ranks[r]
-                    rank.state, rank.busy_with, rank.since = "busy", what, now
-                    try:
-                        rank.channel.send_bytes(msg)
-                    except OSError:
-                        pass  # the sentinel tells the rest
-                self._state = "busy"
-                replies = self._collect(targets, seq, timeout)
-                self._state = "ready"
-                return self._decode(replies)
-        finally:
-            serialize.remove_segments(segments)
-
-    def _collect(self, targets: List[int], seq: int, timeout: Optional[float]) -> Dict[int, tuple]:
-        pending, replies, dead = set(targets), {}, set()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        try:
-            while pending and not dead:
-                remaining = None if deadline is None else deadline - time.monotonic()
-                if remaining is not None and remaining <= 0:
-                    waiting = sorted(pending)
-                    self._stop_pending(pending, replies, seq)
-                    raise DistTimeoutError(
-                        f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} "
-                        f"still running after {timeout:g} s; {self._after_stop_text()}", waiting)
-                self._poll(remaining, pending, replies, dead, seq)
-        except KeyboardInterrupt:
-            waiting = set(pending)
-            killed = self._stop_pending(pending, replies, seq)
-            raise GroupInterrupted(
-                f"interrupted rank{'s' if len(waiting) > 1 else ''} "
-                f"{', '.join(map(str, sorted(waiting)))}; {self._after_stop_text()}",
-                sorted(waiting - set(killed)), killed) from None
-        if dead:
-            self._on_death(dead, pending, replies, seq)
-        return replies
-
-    def _poll(self, timeout, pending, replies, dead, seq) -> None:
-        for key, _ in self._sel.select(timeout):
-            what, r = key.data
-            rank = self._ranks[r]
-            if what == "dead":
-                dead.add(r)
-                continue
-            try:
-                status, s, body = rank.channel.recv()
-            except (ConnectionError, OSError):
-                dead.add(r)
-                continue
-            if s == seq and r in pending:
-                pending.discard(r)
-                replies[r] = (status, body)
-                rank.state, rank.since = "idle", None
-
-    def _stop_pending(self, pending: set, replies: dict, seq: int) -> List[int]:
-        """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks."""
-        for r in pending:
-            try:
-                os.kill(self._ranks[r].pid, signal.SIGINT)
-            except OSError:
-                pass
-        deadline = time.monotonic() + self._opts["grace"]
-        dead: set = set()
-        while pending and time.monotonic() < deadline:
-            self._poll(max(0.0, deadline - time.monotonic()), pending, replies, dead, seq)
-            pending -= dead
-        killed = sorted(pending | dead)
-        self._killed = killed
-        if killed:
-            for r in pending:
-                self._ranks[r].process.kill()
-            self._break()
-        for r in self._ranks:
-            if r.state == "busy":
-                r.state = "idle"
-        self._state = "broken" if killed else "ready"
-        return killed
-
-    def _after_stop_text(self) -> str:
-        killed = getattr(self, "_killed", [])
-        if not killed:
-            return "they stopped on SIGINT; the group is still usable."
-        how = "it restarts on the next call (auto_restart)" if self._opts["auto_restart"] else \
-            "call restart() to bring it back"
-        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not "
-                f"react within {self._opts['grace']:g} s (blocked inside a collective?) and "
-                f"{'were' if len(killed) > 1 else 'was'} killed; the group is broken: {how}.")
-
-    def _on_death(self, dead: set, pending: set, replies: dict, seq: int) -> None:
-        # Survivors blocked in a collective with the dead rank fail within ~30 ms (gloo): wait a
-        # moment for their replies, so their state is known, then tear everything down.
-        deadline = time.monotonic() + 1.0
-        more: set = set()
-        while pending - dead and time.monotonic() < deadline:
-            self._poll(max(0.0, deadline - time.monotonic()), pending - dead, replies, more, seq)
-            dead |= more
-        deaths = {}
-        for r in sorted(dead):
-            self._ranks[r].process.join(1.0)
-            self._pump.wait_eof(r, 1.0)
-            deaths[r] = (self._ranks[r].exitcode, self._pump.tail(r))
-            self._ranks[r].state = "dead"
-        self._break()
-        tails = " ".join(t for _, t in deaths.values())
-        raise RankDiedError(deaths, hint_for(tails) or "")
-
-    def _break(self) -> None:
-        """Tear the whole group down after a failure; ``restart()`` brings it back."""
-        for r in self._ranks:
-            if r.state == "busy":
-                r.process.kill()
-        self._shutdown()
-        self._state = "broken"
-
-    def _decode(self, replies: Dict[int, tuple]) -> List[Any]:
-        results: List[Any] = []
-        failures: Dict[int, RemoteFailure] = {}
-        for r in sorted(replies):
-            status, body = replies[r]
-            if status == "ok":
-                try:
-                    results.append(serialize.loads(body))
-                    continue
-                except Exception as err:  # noqa: BLE001 -- e.g. a class only the ranks can import
-                    failures[r] = RemoteFailure(
-                        r, type(err).__name__, f"the result of rank {r} could not be unpickled "
-                        f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
-            else:
-                failures[r] = launcher.failure_from(body)
-                self._ranks[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
-            results.append(None)
-        self._pump.drain(flush_partial=True)
-        if failures:
-            raise RemoteError(failures, results, self.world_size)
-        return results
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:
