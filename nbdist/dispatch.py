@@ -135,10 +135,12 @@ class CallEngine:
         # Survivors blocked in a collective with the dead rank fail within ~30 ms (gloo): wait a
         # moment for their replies, so their state is known, then tear everything down.
         deadline = time.monotonic() + 1.0
-        more: set = set()
-        while pending - dead and time.monotonic() < deadline:
-            self._poll(max(0.0, deadline - time.monotonic()), pending - dead, replies, more, seq)
+        survivors = pending - dead
+        while survivors and time.monotonic() < deadline:
+            more: set = set()
+            self._poll(max(0.0, deadline - time.monotonic()), survivors, replies, more, seq)
             dead |= more
+            survivors -= more
         deaths = {}
         for r in sorted(dead):
             self._ranks[r].process.join(1.0)
