@@ -9,7 +9,7 @@ This module imports no IPython, ipywidgets or matplotlib: it works in a plain sc
 from .backends import available_backends, register_backend, resolve_backend
 from .errors import (BackendError, DistTimeoutError, GroupClosedError, GroupInterrupted,
                      NbdistError, RankDiedError, RemoteError)
-from .group import Group, launch, start, stop_all
+from .group import Group, attach, current_group, launch, start, stop_all, use_group
 
 __version__ = "0.1.0"
 
@@ -22,7 +22,9 @@ __all__ = sorted([
     "NbdistError",
     "RankDiedError",
     "RemoteError",
+    "attach",
     "available_backends",
+    "current_group",
     "launch",
     "load_ipython_extension",
     "register_backend",
@@ -30,6 +32,7 @@ __all__ = sorted([
     "start",
     "stop_all",
     "unload_ipython_extension",
+    "use_group",
 ])
 
 

@@ -13,8 +13,6 @@ and turns whatever happens meanwhile into one clear outcome:
 from __future__ import annotations
 
 import contextvars
-import os
-import signal
 import time
 from typing import Any, Dict, List, Optional
 
@@ -100,10 +98,7 @@ class CallEngine:
     def _stop_pending(self, pending: set, replies: dict, seq: int) -> List[int]:
         """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks."""
         for r in pending:
-            try:
-                os.kill(self._ranks[r].pid, signal.SIGINT)
-            except OSError:
-                pass
+            self._pump.send(r, b"I")  # the worker's watchdog delivers SIGINT to its main thread
         deadline = time.monotonic() + self._opts["grace"]
         dead: set = set()
         while pending and time.monotonic() < deadline:

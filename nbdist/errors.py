@@ -21,6 +21,11 @@ from typing import Dict, List, Optional, Sequence
 class NbdistError(Exception):
     """Base class of every error nbdist raises on purpose."""
 
+    def _render_traceback_(self) -> List[str]:
+        # In IPython/Jupyter: the message says what happened; nbdist's own frames would not help.
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {line}" if i == 0 else line
+                for i, line in enumerate(str(self).splitlines() or [""])]
+
 
 class BackendError(NbdistError, ValueError):
     """A backend was asked for that is unknown or not usable on this machine."""
@@ -139,12 +144,14 @@ class GroupInterrupted(NbdistError):
         super().__init__(message)
 
 
-def describe_exit(code: Optional[int]) -> str:
+def describe_exit(code) -> str:
     """Turn a process exit code into words: ``exited with code 3`` / ``was killed by SIGKILL``."""
     import signal
 
     if code is None:
         return "died (exit status unknown)"
+    if code == "lost":
+        return "lost its connection to the controller (the process died or its host is unreachable)"
     if code < 0:
         try:
             name = signal.Signals(-code).name

@@ -22,7 +22,7 @@ import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from . import launcher, serialize, transport
-from .backends import resolve_backend
+from .backends import BackendChoice, resolve_backend
 from .errors import GroupClosedError
 from .dispatch import CallEngine
 from .output import OutputPump, Sink
@@ -30,6 +30,26 @@ from .status import GroupStatus, RankStatus
 
 _live: "weakref.WeakSet[Group]" = weakref.WeakSet()
 _notes_said: set = set()
+started_ids: set = set()  # ids of every group started in this process (leak checks use them)
+_current: Optional["Group"] = None
+
+
+def current_group() -> Optional["Group"]:
+    """The group the magics and widgets use, or ``None``.
+
+    A group started with :func:`start` / :func:`attach` (or ``%dist_start``, or the launcher
+    widget) becomes current when no other group is running; :func:`use_group` picks one.
+    Code, magics and widgets that call this share one object.
+    """
+    return _current
+
+
+def use_group(group: Optional["Group"]) -> None:
+    """Make ``group`` the current group (``None`` detaches)."""
+    global _current
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
+    _current = group
 
 
 def _say_once(note: Optional[str]) -> None:
@@ -68,8 +88,11 @@ class Group(CallEngine):
                  call_timeout: Optional[float] = None, init_timeout: Optional[float] = None,
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  debug: bool = False, grace: float = 0.5, auto_restart: bool = False,
-                 output: Optional[Sink] = None, max_world_size: Optional[int] = None):
+                 output: Optional[Sink] = None, max_world_size: Optional[int] = None,
+                 _remote: Optional[Dict[str, Any]] = None):
         self.id = secrets.token_hex(4)
+        self._remote = _remote
+        self._store = None
         self._lock = threading.RLock()
         self._seq = itertools.count(1)
         self._ranks: List[launcher.Rank] = []
@@ -84,7 +107,10 @@ class Group(CallEngine):
                         env=env, debug=debug, grace=grace, auto_restart=auto_restart,
                         max_world_size=max_world_size)
         _live.add(self)
+        started_ids.add(self.id)
         self._launch()
+        if _current is None or _current.state == "stopped":
+            use_group(self)
 
     # ---- configuration ------------------------------------------------------------------------
     def _configure(self, **opts) -> None:
@@ -101,6 +127,15 @@ class Group(CallEngine):
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         if new["threads"] is not None and (not isinstance(new["threads"], int) or new["threads"] < 1):
             raise ValueError(f"threads must be a positive int, got {new['threads']!r}")
+        if self._remote is not None:
+            # Remote ranks resolve "auto" on their own hardware; named backends are checked here.
+            if new["backend"] in (None, "", "auto"):
+                self._opts, self._choice = new, BackendChoice("auto", new["device"] or "auto")
+                return
+            choice = resolve_backend(new["backend"], "cpu" if new["device"] in (None, "auto")
+                                     else new["device"])
+            self._opts, self._choice = new, choice
+            return
         choice = resolve_backend(new["backend"], new["device"])
         limit = new["max_world_size"] or (launcher.cpu_limit() if choice.device == "cpu" else None)
         if choice.device == "cuda":
@@ -153,10 +188,13 @@ class Group(CallEngine):
         self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-")
         self._pump = OutputPump(self._sink)
         try:
-            self._ranks = launcher.start_workers(
-                self.id, self._choice, o["world_size"], float(o["timeout"]), threads, env,
-                os.path.join(self._tmp, "store"), self._pump,
-                float(o["init_timeout"] or o["timeout"]))
+            if self._remote is not None:
+                self._ranks = self._attach_ranks(threads, o)
+            else:
+                self._ranks = launcher.start_workers(
+                    self.id, self._choice, o["world_size"], float(o["timeout"]), threads, env,
+                    os.path.join(self._tmp, "store"), self._pump,
+                    float(o["init_timeout"] or o["timeout"]))
         except BaseException:
             self._cleanup()
             self._state = "broken"
@@ -164,8 +202,36 @@ class Group(CallEngine):
         self._sel = selectors.DefaultSelector()
         for r in self._ranks:
             self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
-            self._sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+            if r.process.sentinel is not None:
+                self._sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
         self._state = "ready"
+
+    def _attach_ranks(self, threads, o) -> List[launcher.Rank]:
+        from . import remote
+
+        rm = self._remote
+        listener = transport.listen(*rm["address"])
+        key = transport.new_key()
+        try:
+            host, port = listener.getsockname()[:2]
+            key_file = remote.write_key(key, rm.get("key_file"))
+            rm["key_file"], rm["commands"] = key_file, remote.commands(
+                host, port, key_file, o["world_size"], rm.get("nproc_per_node"))
+            if rm.get("progress", True):
+                print(f"nbdist: waiting for {o['world_size']} ranks on {host}:{port} "
+                      f"(key in {key_file}; copy it to the nodes, mode 0600). Start them with\n"
+                      f"  {rm['commands']['torchrun']}\nor\n  {rm['commands']['srun']}")
+            config = {"backend": self._choice.backend, "device": self._choice.device,
+                      "timeout": float(o["timeout"]), "threads": threads,
+                      "custom_backends": remote.custom_backend_blobs(self._choice),
+                      "env": dict(o["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+                                                      if o["debug"] else {}))}
+            ranks, self._store = remote.attach_workers(
+                listener, key, o["world_size"], config, self._pump,
+                float(rm.get("join_timeout", 600)), rm.get("progress", True))
+            return ranks
+        finally:
+            listener.close()
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
         from .output import default_sink
@@ -175,6 +241,11 @@ class Group(CallEngine):
     def restart(self, **changes) -> "Group":
         """Stop the workers and start fresh ones, with any option changed (``world_size=``,
         ``backend=``, ``device=``, ``timeout=``...). Per-rank variables are lost."""
+        if self._remote is not None:
+            raise GroupClosedError(
+                "the ranks of an attached group were started by your launcher (torchrun/srun); "
+                "nbdist cannot restart them. Call stop(), then nbdist.attach() again and re-run "
+                "the launcher command.")
         unknown = set(changes) - set(self._opts)
         if unknown:
             raise TypeError(f"restart() got unknown option(s) {sorted(unknown)}; "
@@ -198,6 +269,9 @@ class Group(CallEngine):
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
     def __repr__(self) -> str:
         return (f"<nbdist.Group {self.id}: {self._state}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, device={self.device!r}>")
@@ -210,6 +284,9 @@ class Group(CallEngine):
             if r.exitcode is None and r.channel is not None and r.state == "idle":
                 try:
                     r.channel.send_bytes(stop_msg)
+                    expect = getattr(r.process, "mark_gone", None)
+                    if expect is not None:
+                        r.process._code = 0  # a clean exit is what we asked for
                 except OSError:
                     pass
             elif r.exitcode is None:
@@ -233,6 +310,10 @@ class Group(CallEngine):
             self._pump.close()
             self._pump = None
         serialize.remove_segments(serialize.leftover_segments(self.id))
+        self._store = None
+        if self._remote is not None and self._remote.get("key_file") and \
+                self._remote.get("own_key_file"):
+            serialize.remove_segments([self._remote["key_file"]])
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -356,6 +437,28 @@ def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional
     See :class:`Group` for the options. Use it as a context manager to stop it at the end.
     """
     return Group(world_size, backend, device, timeout, **options)
+
+
+def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",
+           device: Optional[str] = "auto", timeout: float = 60.0, *, key_file: Optional[str] = None,
+           join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
+           progress: bool = True, **options) -> Group:
+    """Open a group whose ``world_size`` ranks run elsewhere, started by torchrun or srun.
+
+    The notebook listens on ``listen`` (``"HOST:PORT"``; an address you choose, never all
+    interfaces), writes the group key to ``key_file`` (a new private temp file by default), prints
+    the ``torchrun ... -m nbdist.worker --connect HOST:PORT --key-file FILE`` and ``srun`` commands,
+    and returns once every rank has joined and initialised torch.distributed (or raises
+    :class:`DistTimeoutError` after ``join_timeout`` seconds naming the missing ranks). Each rank
+    takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
+    on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
+    """
+    from .remote import parse_listen
+
+    address = parse_listen(listen)
+    remote = {"address": address, "key_file": key_file, "own_key_file": key_file is None,
+              "join_timeout": join_timeout, "nproc_per_node": nproc_per_node, "progress": progress}
+    return Group(world_size, backend, device, timeout, _remote=remote, **options)
 
 
 def launch(fn: Callable, *args, world_size: int = 2, backend: Optional[str] = "auto",

@@ -24,7 +24,7 @@ from typing import Any, Dict, List, Optional
 
 import cloudpickle
 
-from . import transport, worker
+from . import transport
 from .backends import BackendChoice
 from .errors import DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure
 from .output import OutputPump
@@ -92,9 +92,22 @@ class Rank:
             self._released = True
 
 
+def clean_environment(env: Dict[str, str]) -> Dict[str, str]:
+    """Drop launcher variables that would mislead code on the ranks (SLURM, torchelastic, MPI)."""
+    drop = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_", "MV2_")
+    clean = {k: v for k, v in env.items() if not k.startswith(drop)}
+    for k in ("GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME",
+              "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+              "NODE_RANK"):
+        clean.pop(k, None)
+    if clean.get("MPLBACKEND", "").startswith("module://"):
+        clean["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs IPython; ranks draw to files
+    return clean
+
+
 def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dict[str, str]:
     """The environment of rank ``rank``: the cleaned caller environment plus torch's variables."""
-    env = worker.clean_environment(base)
+    env = clean_environment(base)
     env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
                 "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "NODE_RANK": "0",
                 "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
@@ -111,6 +124,8 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
+    from .worker import main as worker_main  # imported here: `python -m nbdist.worker` stays clean
+
     ctx = mp_context()
     custom = [cloudpickle.dumps(c) for c in choice.custom]
     ranks: List[Rank] = []
@@ -121,7 +136,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
                    "device": choice.device, "timeout": timeout, "threads": threads,
                    "custom_backends": custom, "store_path": store_path, "shm": True,
                    "env": rank_env(env, r, world_size, port)}
-            proc = ctx.Process(target=worker.main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
+            proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
             with _main_hidden():
                 proc.start()
             ranks.append(Rank(r, proc, pid=proc.pid))
@@ -167,6 +182,12 @@ def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: Ou
                     sel.unregister(key_.fileobj)
     finally:
         sel.close()
+    _raise_start_failure(ranks, failures, dead, pump)
+
+
+def _raise_start_failure(ranks: List[Rank], failures: Dict[int, RemoteFailure],
+                         dead: Dict[int, tuple], pump: OutputPump) -> None:
+    """Turn what went wrong while starting into one error naming every rank concerned."""
     if dead:
         for idx in dead:
             pump.wait_eof(idx, 1.0)

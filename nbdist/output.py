@@ -53,6 +53,24 @@ class OutputPump:
             self._sel.register(sock, selectors.EVENT_READ, (rank, stream))
         self._wake_w.send(b"x")
 
+    def send(self, rank: int, command: bytes) -> bool:
+        """Send a one-byte command up rank ``rank``'s stderr stream (the worker's watchdog reads
+        it: ``b"I"`` interrupt, ``b"K"`` kill). False if the stream is already closed."""
+        with self._lock:
+            for key in self._sel.get_map().values():
+                if key.data == (rank, "stderr"):
+                    try:
+                        key.fileobj.send(command)
+                        return True
+                    except OSError:
+                        return False
+        return False
+
+    def eof_seen(self, rank: int) -> bool:
+        """True once both streams of ``rank`` have closed."""
+        events = [self._eof.get((rank, s)) for s in ("stdout", "stderr")]
+        return all(e is not None and e.is_set() for e in events)
+
     def tail(self, rank: int) -> str:
         """The last lines rank ``rank`` wrote to stderr."""
         with self._lock:

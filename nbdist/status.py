@@ -59,6 +59,9 @@ class GroupStatus:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
 
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(str(self))
+
     def _repr_html_(self) -> str:
         head = "".join(f"<th>{html.escape(c)}</th>" for c in self._COLUMNS)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"

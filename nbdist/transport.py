@@ -89,7 +89,12 @@ def client_handshake(sock: socket.socket, key: bytes, hello: Dict[str, Any],
             raise AuthenticationError("server does not speak the nbdist protocol")
         my_nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + _mac(key, b"client", head[len(MAGIC):]) + my_nonce)
-        if not hmac.compare_digest(recv_exact(sock, DIGEST), _mac(key, b"server", my_nonce)):
+        try:
+            answer = recv_exact(sock, DIGEST)
+        except ConnectionError:
+            raise AuthenticationError("the controller refused this connection: wrong group key "
+                                      "(check --key-file)") from None
+        if not hmac.compare_digest(answer, _mac(key, b"server", my_nonce)):
             raise AuthenticationError("server does not hold the group key")
         body = json.dumps(hello).encode("utf-8")
         sock.sendall(_HEADER.pack(len(body)) + body)

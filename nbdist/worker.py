@@ -73,10 +73,19 @@ class _Worker:
         threading.Thread(target=self._watchdog, name="nbdist-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        # The controller never sends on this stream: EOF or an error means it is gone.
+        # The controller's end of the stderr stream carries one-byte commands: "I" interrupts the
+        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process.
+        # EOF or an error means the controller is gone: exit at once, never outlive it.
+        main_id = threading.main_thread().ident
         try:
-            while self.lifeline.recv(4096):
-                pass
+            while True:
+                data = self.lifeline.recv(64)
+                if not data:
+                    break
+                if b"K" in data:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if b"I" in data:
+                    signal.pthread_kill(main_id, signal.SIGINT)
         except OSError:
             pass
         os._exit(70)
@@ -89,10 +98,22 @@ class _Worker:
             cloudpickle.loads(blob).register_in_torch()
         if cfg["threads"]:
             torch.set_num_threads(cfg["threads"])
+        if cfg["backend"] == "auto" or cfg["device"] == "auto":  # attached ranks decide here
+            from .backends import resolve_backend
+
+            choice = resolve_backend(cfg["backend"], cfg["device"])
+            cfg["backend"], cfg["device"] = choice.backend, choice.device
+            if choice.note:
+                print(choice.note, file=sys.stderr)
         device = cfg["device"]
         if device == "cuda":
             torch.cuda.set_device(cfg["local_rank"])
-        store = dist.FileStore(cfg["store_path"], cfg["world_size"])
+        if cfg.get("store_tcp"):
+            host, port = cfg["store_tcp"]
+            store = dist.TCPStore(host, port, cfg["world_size"], is_master=False,
+                                  timeout=timedelta(seconds=cfg["timeout"]))
+        else:
+            store = dist.FileStore(cfg["store_path"], cfg["world_size"])
         dist.init_process_group(cfg["backend"], store=store, rank=self.rank,
                                 world_size=cfg["world_size"],
                                 timeout=timedelta(seconds=cfg["timeout"]))
@@ -102,6 +123,7 @@ class _Worker:
                         "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
                         else torch.device("cpu")})
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
+                "node": os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
                 "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads()}
 
     def _guard_init(self) -> None:
@@ -206,19 +228,6 @@ except (OSError, AttributeError):  # pragma: no cover -- Windows
     _libc = None
 
 
-def clean_environment(env: Dict[str, str]) -> Dict[str, str]:
-    """Drop launcher variables that would mislead code on the ranks (SLURM, torchelastic, MPI)."""
-    drop = ("SLURM_", "TORCHELASTIC_", "OMPI_", "PMI_", "PMIX_", "LSB_", "JSM_", "MV2_")
-    clean = {k: v for k, v in env.items() if not k.startswith(drop)}
-    for k in ("GROUP_RANK", "ROLE_RANK", "ROLE_WORLD_SIZE", "GROUP_WORLD_SIZE", "ROLE_NAME",
-              "LOCAL_RANK", "RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-              "NODE_RANK"):
-        clean.pop(k, None)
-    if clean.get("MPLBACKEND", "").startswith("module://"):
-        clean["MPLBACKEND"] = "Agg"  # the kernel's inline backend needs IPython; ranks draw to files
-    return clean
-
-
 def main(cfg: Dict[str, Any]) -> None:
     """Entry point of a local worker process (``cfg`` comes from :class:`nbdist.Group`)."""
     signal.signal(signal.SIGINT, _ignore_sigint)
@@ -229,6 +238,10 @@ def main(cfg: Dict[str, Any]) -> None:
     channel = transport.Channel(transport.connect(tuple(cfg["address"]), cfg["key"],
                                                   {"rank": worker.rank, "role": "control",
                                                    "pid": os.getpid()}))
+    _run(worker, channel)
+
+
+def _run(worker: _Worker, channel: transport.Channel) -> None:
     try:
         info = worker.init_dist()
     except BaseException as exc:  # noqa: BLE001 -- report, then exit
@@ -245,3 +258,65 @@ def main(cfg: Dict[str, Any]) -> None:
     finally:
         _flush_output()
         os._exit(0)
+
+
+def _launcher_env(name: str, *fallbacks: str) -> int:
+    for var in (name,) + fallbacks:
+        if os.environ.get(var, "").strip():
+            return int(os.environ[var])
+    raise SystemExit(f"nbdist.worker: ${name} is not set: start this worker with torchrun "
+                     "(which sets RANK and WORLD_SIZE) or srun (SLURM_PROCID, SLURM_NTASKS).")
+
+
+def cli(argv=None) -> None:
+    """``python -m nbdist.worker --connect HOST:PORT --key-file FILE``: a rank started by torchrun
+    or srun joins the group a notebook opened with :func:`nbdist.attach`.
+
+    Rank and world size come from the launcher's environment (``RANK``/``WORLD_SIZE`` from
+    torchrun, ``SLURM_PROCID``/``SLURM_NTASKS`` from srun); the group key from a file, never from
+    the command line.
+    """
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m nbdist.worker", description=cli.__doc__.split("\n")[0])
+    ap.add_argument("--connect", required=True, help="HOST:PORT the notebook listens on")
+    ap.add_argument("--key-file", required=True, help="file holding the group key (hex)")
+    args = ap.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    with open(args.key_file, encoding="ascii") as f:
+        key = bytes.fromhex(f.read().strip())
+    rank = _launcher_env("RANK", "SLURM_PROCID", "PMI_RANK")
+    world = _launcher_env("WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
+    local_rank = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
+    signal.signal(signal.SIGINT, _ignore_sigint)
+    address = (host.strip("[]"), int(port))
+    hello = {"rank": rank, "role": "control", "pid": os.getpid(), "world_size": world,
+             "host": socket.gethostname(), "node": os.environ.get("GROUP_RANK")
+             or os.environ.get("SLURM_NODEID") or "?"}
+    cfg = {"rank": rank, "address": address, "key": key, "group_id": "remote", "shm": False}
+    worker = _Worker(cfg)
+    deadline = time.monotonic() + 60.0
+    while True:  # the notebook may not be listening yet: retry for a minute
+        try:
+            worker.connect_streams()
+            break
+        except ConnectionRefusedError:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"nbdist.worker: nothing listens on {host}:{port}; run "
+                                 "nbdist.attach() in the notebook first.") from None
+            time.sleep(0.5)
+    channel = transport.Channel(transport.connect(address, key, hello))
+    kind, _, extra = channel.recv()
+    if kind != "config":
+        os._exit(72)
+    cfg.update(extra, local_rank=local_rank, world_size=world)
+    for k, v in extra.get("env", {}).items():
+        os.environ[k] = v
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    _run(worker, channel)
+
+
+if __name__ == "__main__":
+    from nbdist.worker import cli as _cli  # the real module, not a second copy as __main__
+
+    _cli()

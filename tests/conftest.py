@@ -38,7 +38,11 @@ def _children():
 
 
 def _segments():
-    return set(glob.glob("/dev/shm/nbdist-*"))
+    """Segments of groups started by this test process (other sessions may share /dev/shm)."""
+    from nbdist.group import started_ids
+
+    return {p for p in glob.glob("/dev/shm/nbdist-*")
+            if os.path.basename(p).split("-")[1] in started_ids}
 
 
 @pytest.fixture(autouse=True)

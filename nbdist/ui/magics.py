@@ -43,29 +43,10 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import publish_display_data
 
-from ..errors import NbdistError
-from ..group import Group, start
+from ..group import Group, current_group, start, use_group
 
-_current: Optional[Group] = None
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
-
-
-def current_group() -> Optional[Group]:
-    """The group the magics use (started by ``%dist_start`` or attached with :func:`use_group`),
-    or ``None``. Code, widgets and magics that call this share one object."""
-    return _current
-
-
-def use_group(group: Optional[Group]) -> None:
-    """Make ``group`` (e.g. from ``nbdist.start()``) the one the magics use; ``None`` detaches.
-
-    A group attached this way is not stopped by ``%unload_ext nbdist``: its owner stops it.
-    """
-    global _current
-    if group is not None and not isinstance(group, Group):
-        raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
-    _current = group
 
 
 def register_magics(cls: type) -> type:
@@ -105,7 +86,7 @@ def unload_ipython_extension(shell) -> None:
                 shell.magics_manager.magics[kind].pop(name, None)
     for group in list(_started):
         group.stop()
-    if _current is not None and _current.state == "stopped":
+    if current_group() is not None and current_group().state == "stopped":
         use_group(None)
 
 
@@ -134,32 +115,16 @@ def _rank_list(text: str) -> List[int]:
     return ranks
 
 
-@contextlib.contextmanager
-def _plain_errors() -> Iterator[None]:
-    """Let nbdist's errors reach IPython as they are, shown without nbdist's own frames.
-
-    ``RemoteError`` renders the ranks' tracebacks itself; the others (interrupted, timed out,
-    rank died, group closed) are shown as their type and message, which say what happened.
-    """
-    try:
-        yield
-    except NbdistError as err:
-        if not hasattr(err, "_render_traceback_"):
-            text = f"\x1b[31m{type(err).__name__}\x1b[0m: {err}"
-            err._render_traceback_ = lambda: text.splitlines()
-        raise
-
-
 class NbdistMagics(Magics):
     """Base class of nbdist's magics: the current group and argument parsing."""
 
     @property
     def group(self) -> Group:
         """The current group; ``UsageError`` if there is none."""
-        if _current is None:
+        if current_group() is None:
             raise UsageError("no nbdist group is running: start one with %dist_start -n 2, or "
                              "attach one started in code with nbdist.ui.magics.use_group(g).")
-        return _current
+        return current_group()
 
     def parse(self, magic, line: str) -> argparse.Namespace:
         """Parse ``line`` for ``magic``; a mistake raises ``UsageError`` ending in the usage."""
@@ -200,11 +165,11 @@ class DistMagics(NbdistMagics):
         If a group is already running this reports it; use %dist_restart to change it.
         """
         args = self.parse(self.dist_start, line)
-        if _current is not None and _current.state != "stopped":
-            print(f"nbdist: a group is already running: {_current!r}; "
+        if current_group() is not None and current_group().state != "stopped":
+            print(f"nbdist: a group is already running: {current_group()!r}; "
                   "change it with %dist_restart, or %dist_stop it first.")
             return
-        with self._usage(self.dist_start), _plain_errors():
+        with self._usage(self.dist_start):
             group = start(args.world_size, args.backend, args.device, args.timeout)
         _started.add(group)
         use_group(group)
@@ -225,7 +190,7 @@ class DistMagics(NbdistMagics):
         args = self.parse(self.dist_restart, line)
         changes = {name: value for name, value in vars(args).items() if value is not None}
         group = self.group
-        with self._usage(self.dist_restart), _plain_errors():
+        with self._usage(self.dist_restart):
             group.restart(**changes)
         self._say_ready(group, "restarted")
 
@@ -234,11 +199,10 @@ class DistMagics(NbdistMagics):
     def dist_stop(self, line: str = "") -> None:
         """Stop the current group's workers; %dist_start starts a new group."""
         self.parse(self.dist_stop, line)
-        if _current is None:
+        if current_group() is None:
             print("nbdist: no group is running.")
             return
-        with _plain_errors():
-            _current.stop()
+        current_group().stop()
         use_group(None)
         self.autodist_off()
         print("nbdist: group stopped.")
@@ -248,10 +212,10 @@ class DistMagics(NbdistMagics):
     def dist_status(self, line: str = "") -> None:
         """Show each rank's state, pid, device, backend and memory (a table in Jupyter)."""
         self.parse(self.dist_status, line)
-        if _current is None:
+        if current_group() is None:
             print("nbdist: no group is running; start one with %dist_start.")
             return
-        status = _current.status()
+        status = current_group().status()
         publish_display_data({"text/plain": str(status), "text/html": status._repr_html_()})
 
     # ---- running code -------------------------------------------------------------------------
@@ -288,8 +252,7 @@ class DistMagics(NbdistMagics):
         if bad:
             raise UsageError(f"--ranks {','.join(map(str, bad))}: the group has ranks "
                              f"0..{group.world_size - 1}\n{usage(self.dist)}")
-        with _plain_errors():
-            values = group.exec(source, ranks=targets, timeout=timeout)
+        values = group.exec(source, ranks=targets, timeout=timeout)
         if not quiet:
             for rank, value in zip(targets, values):
                 if value is not None:
@@ -382,7 +345,7 @@ class DistMagics(NbdistMagics):
         if missing:
             raise UsageError(f"not defined in the kernel: {', '.join(missing)}\n"
                              f"{usage(self.dist_push)}")
-        with self._usage(self.dist_push), _plain_errors():
+        with self._usage(self.dist_push):
             self.group.push({name: self.shell.user_ns[name] for name in args.names},
                             ranks=args.ranks)
 
@@ -396,7 +359,7 @@ class DistMagics(NbdistMagics):
         value of one rank with --rank R."""
         args = self.parse(self.dist_pull, line)
         ranks = None if args.rank is None else [args.rank]
-        with self._usage(self.dist_pull), _plain_errors():
+        with self._usage(self.dist_pull):
             values = self.group.pull(*args.names, ranks=ranks)
         for i, name in enumerate(args.names):
             per_rank = [v if len(args.names) == 1 else v[i] for v in values]

@@ -1,0 +1,157 @@
+"""Ranks started by torchrun on two "nodes" (two torchrun invocations on this machine) joining one
+notebook-side controller (issue 10)."""
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import nbdist
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _torchrun(node_rank, rdzv_port, port, key_file, nproc=1, nnodes=2):
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--node-rank={node_rank}",
+           "--master-addr=127.0.0.1", f"--master-port={rdzv_port}", "--max-restarts=0",
+           "-m", "nbdist.worker", "--connect", f"127.0.0.1:{port}", "--key-file", key_file]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)
+
+
+class Cluster:
+    """Two torchrun 'nodes' and the attached group."""
+
+    def __init__(self, tmp_path, world_size=2):
+        self.port, self.rdzv = _free_port(), _free_port()
+        self.key_file = str(tmp_path / "key.hex")
+        self.box = {}
+        self.thread = threading.Thread(target=self._attach, args=(world_size,))
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not os.path.exists(self.key_file) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.nodes = [_torchrun(n, self.rdzv, self.port, self.key_file) for n in range(2)]
+        self.thread.join(180)
+        if "error" in self.box:
+            self.close()
+            raise self.box["error"]
+        self.group = self.box["group"]
+
+    def _attach(self, world_size):
+        try:
+            self.box["group"] = nbdist.attach(world_size, listen=f"127.0.0.1:{self.port}",
+                                              key_file=self.key_file, join_timeout=120,
+                                              progress=False, timeout=30)
+        except BaseException as err:  # noqa: BLE001 -- re-raised in the test thread
+            self.box["error"] = err
+
+    def close(self):
+        if "group" in self.box:
+            self.group.stop()
+        for p in self.nodes:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, 9)
+                p.wait()
+            p.stderr.close()
+        return [p.returncode for p in self.nodes]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = Cluster(tmp_path)
+    yield c
+    c.close()
+
+
+def test_two_torchrun_nodes_join_one_controller(cluster):
+    g = cluster.group
+    assert g.run(lambda: __import__("torch").distributed.get_rank()) == [0, 1]
+    assert g.exec("t = torch.ones(2) * (rank + 1); dist.all_reduce(t); t.tolist()") == [[3.0, 3.0]] * 2
+    assert g.run(lambda: os.environ.get("TORCHELASTIC_RUN_ID") is not None) == [True, True]
+    g.push(x=5)
+    assert g.pull("x") == [5, 5]
+    st = g.status()
+    assert [r.state for r in st.ranks] == ["idle", "idle"]
+    with pytest.raises(nbdist.GroupClosedError, match="started by your launcher"):
+        g.restart()
+    assert cluster.close() == [0, 0]  # stop ends the workers and torchrun's agents cleanly
+
+
+def test_interrupt_reaches_remote_ranks(cluster):
+    import signal
+
+    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(nbdist.GroupInterrupted, match="still usable"):
+        cluster.group.exec("import time; time.sleep(60)")
+    timer.join()
+    assert cluster.group.run(lambda: 1) == [1, 1]
+
+
+def test_a_dying_remote_rank_is_reported_with_its_node(cluster):
+    with pytest.raises(nbdist.RankDiedError) as info:
+        cluster.group.exec("import os, sys\nif rank == 1:\n"
+                           "    print('node going down', file=sys.stderr, flush=True); os._exit(3)\n"
+                           "t = torch.ones(10); dist.all_reduce(t)")
+    text = str(info.value)
+    assert "rank 1" in text and "lost its connection" in text and "node going down" in text
+
+
+def test_a_worker_with_the_wrong_key_is_refused(tmp_path):
+    port = _free_port()
+    key_file = str(tmp_path / "key.hex")
+    wrong = tmp_path / "wrong.hex"
+    wrong.write_text(os.urandom(32).hex())
+    with pytest.raises(nbdist.DistTimeoutError, match="rank 0 did not join within 8 s; 0 of 1"):
+        box = {}
+        t = threading.Thread(target=lambda: box.setdefault("p", _wrong_worker(port, str(wrong))))
+        t.start()
+        try:
+            nbdist.attach(1, listen=f"127.0.0.1:{port}", key_file=key_file, join_timeout=8,
+                          progress=False)
+        finally:
+            t.join(60)
+    p = box["p"]
+    out, err = p.communicate(timeout=60)
+    assert p.returncode != 0 and "refused this connection: wrong group key" in err
+    assert "RuntimeWarning" not in err
+
+
+def _wrong_worker(port, key_file):
+    time.sleep(1.0)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1")
+    return subprocess.Popen([sys.executable, "-m", "nbdist.worker", "--connect",
+                             f"127.0.0.1:{port}", "--key-file", key_file], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_listen_address_is_checked():
+    with pytest.raises(ValueError, match="not on all interfaces"):
+        nbdist.attach(2, listen="0.0.0.0:0")
+    with pytest.raises(ValueError, match="listen must look like 'HOST:PORT'"):
+        nbdist.attach(2, listen="localhost")
+
+
+def test_worker_outside_a_launcher_says_what_is_missing(tmp_path):
+    key = tmp_path / "k.hex"
+    key.write_text("00" * 32)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "SLURM_PROCID",
+                                                             "PMI_RANK")}
+    out = subprocess.run([sys.executable, "-m", "nbdist.worker", "--connect", "127.0.0.1:1",
+                          "--key-file", str(key)], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode != 0 and "$RANK is not set: start this worker with torchrun" in out.stderr

@@ -1,0 +1,420 @@
+"""nbdist's magics driven through a real (in-process) IPython shell, on real worker processes."""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import psutil
+import pytest
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.utils.capture import capture_output
+
+import nbdist
+from nbdist.errors import GroupInterrupted, RemoteError
+from nbdist.ui import magics
+
+HELP = {
+    "dist_start": "Start a group of worker processes and make it the current one.",
+    "dist_restart": "Restart the current group with fresh workers",
+    "dist_stop": "Stop the current group's workers",
+    "dist_status": "Show each rank's state, pid, device, backend and memory",
+    "dist": "Run Python code on the ranks",
+    "autodist": "Toggle running every cell on the ranks",
+    "dist_push": "Copy kernel variables, by name, to the ranks",
+    "dist_pull": "Copy variables from the ranks into the kernel",
+}
+
+
+def run(shell, cell):
+    """Run ``cell`` as a notebook would; return (result, captured output)."""
+    with capture_output() as captured:
+        result = shell.run_cell(cell)
+    return result, captured
+
+
+def texts(captured):
+    """The text/plain of every display() the cell made."""
+    return [out.data.get("text/plain") for out in captured.outputs]
+
+
+# ---- help and usage ---------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", sorted(HELP))
+def test_every_magic_has_help(shell, name):
+    _, captured = run(shell, f"%{name}?")
+    assert f"  %{name}" in captured.stdout  # the usage line
+    assert HELP[name] in captured.stdout
+
+
+@pytest.mark.timeout(60)
+def test_cell_magic_has_help(shell):
+    _, captured = run(shell, "%%dist?")
+    assert "Run Python code on the ranks" in captured.stdout
+    assert "--ranks" in captured.stdout
+
+
+USAGE_ERRORS = [
+    ("dist_start", "-n 0", "argument -n/--world-size: expected a positive int, got '0'"),
+    ("dist_start", "-n two", "expected a positive int, got 'two'"),
+    ("dist_start", "--timeout 0", "expected a positive float, got '0'"),
+    ("dist_start", "--bogus", "unrecognized arguments: --bogus"),
+    ("dist_restart", "-n -1", "expected a positive int, got '-1'"),
+    ("dist_restart", "--backend bogus", "unknown backend 'bogus'"),
+    ("dist_stop", "now", "unrecognized arguments: now"),
+    ("dist_status", "-v", "unrecognized arguments: -v"),
+    ("dist", "", "%dist needs a statement to run on the ranks"),
+    ("dist", "--ranks", "argument --ranks: expected one argument"),
+    ("dist", "--ranks a,b rank", "expected rank numbers separated by commas, e.g. 0,2; got 'a,b'"),
+    ("dist", "--ranks -1 rank", "expected rank numbers separated by commas"),
+    ("dist", "--ranks 0,5 rank", "--ranks 5: the group has ranks 0..1"),
+    ("dist", "--timeout -1 rank", "expected a positive float, got '-1'"),
+    ("dist", "--nope rank", "unrecognized arguments: --nope"),
+    ("autodist", "--ranks x", "expected rank numbers separated by commas"),
+    ("dist_push", "", "the following arguments are required: names"),
+    ("dist_push", "not_defined_anywhere", "not defined in the kernel: not_defined_anywhere"),
+    ("dist_push", "--ranks 7 some_value", "ranks must be ints in 0..1, got [7]"),
+    ("dist_push", "a_lock", "cannot send the pushed value to the ranks"),
+    ("dist_pull", "", "the following arguments are required: names"),
+    ("dist_pull", "--rank 9 rank", "ranks must be ints in 0..1, got [9]"),
+    ("dist_pull", "1x", "pull() takes variable names, got '1x'"),
+]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("name,line,message", USAGE_ERRORS)
+def test_wrong_arguments_raise_usage_error_with_usage_line(shell, dist_group, name, line,
+                                                           message):
+    shell.user_ns.update(some_value=1, a_lock=threading.Lock())
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic(name, line)
+    assert message in str(info.value)
+    assert str(info.value).splitlines()[-1].startswith(f"usage: %{name}")
+    assert dist_group.state == "ready"  # a bad --backend is refused before anything is stopped
+
+
+@pytest.mark.timeout(60)
+def test_cell_form_usage_error(shell, dist_group):
+    with pytest.raises(UsageError, match="unrecognized arguments: --rank-list 0\nusage: %dist "):
+        shell.run_cell_magic("dist", "--rank-list 0", "rank")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("line", ["%dist rank", "%dist_restart", "%autodist", "%dist_push x",
+                                  "%dist_pull x"])
+def test_without_a_group_magics_say_how_to_start_one(shell, no_group, line):
+    shell.user_ns["x"] = 1
+    result, captured = run(shell, line)
+    assert isinstance(result.error_in_exec, UsageError)
+    assert "no nbdist group is running: start one with %dist_start -n 2" in captured.stderr
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("line,message", [
+    ("--backend bogus", "unknown backend 'bogus'"),
+    ("-n 100000", "world_size=100000 is more than this machine runs well on device 'cpu'"),
+])
+def test_start_refuses_what_the_group_refuses(shell, no_group, line, message):
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("dist_start", line)
+    assert message in str(info.value)
+    assert str(info.value).splitlines()[-1].startswith("usage: %dist_start [-n N]")
+    assert magics.current_group() is None
+
+
+@pytest.mark.timeout(60)
+def test_status_and_stop_without_a_group(shell, no_group):
+    assert "nbdist: no group is running; start one with %dist_start." in \
+        run(shell, "%dist_status")[1].stdout
+    assert "nbdist: no group is running." in run(shell, "%dist_stop")[1].stdout
+
+
+# ---- running cells ----------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_cell_output_is_labelled_by_rank_and_values_shown_per_rank(shell, dist_group):
+    result, captured = run(shell, "%%dist\n"
+                                  "t = torch.tensor([rank + 1.0])\n"
+                                  "dist.all_reduce(t)\n"
+                                  "print('sum', t.item())\n"
+                                  "t")
+    assert result.success
+    assert "[rank 0] sum 3.0" in captured.stdout and "[rank 1] sum 3.0" in captured.stdout
+    assert texts(captured) == ["Out[rank 0]: tensor([3.])", "Out[rank 1]: tensor([3.])"]
+
+
+@pytest.mark.timeout(120)
+def test_output_arrives_while_the_cell_runs(shell, dist_group, tmp_path):
+    go = tmp_path / "go"
+
+    def release_when_both_ranks_wait(stream):
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all(f"[rank {r}] waiting" in stream.getvalue() for r in (0, 1)):
+                go.touch()
+                return
+            time.sleep(0.05)
+
+    with capture_output() as captured:
+        thread = threading.Thread(target=release_when_both_ranks_wait, args=(sys.stdout,))
+        thread.start()
+        shell.run_cell("%%dist\n"
+                       "import pathlib, time\n"
+                       "print('waiting')\n"
+                       f"go, deadline = pathlib.Path({str(go)!r}), time.monotonic() + 60\n"
+                       "while not go.exists() and time.monotonic() < deadline:\n"
+                       "    time.sleep(0.05)\n"
+                       "print('released' if go.exists() else 'never released')")
+        thread.join()
+    assert "[rank 0] released" in captured.stdout and "[rank 1] released" in captured.stdout
+
+
+@pytest.mark.timeout(120)
+def test_line_form_ranks_and_quiet(shell, dist_group):
+    assert texts(run(shell, "%dist --ranks 1 rank * 10")[1]) == ["Out[rank 1]: 10"]
+    assert texts(run(shell, "%dist --rank 0 rank")[1]) == ["Out[rank 0]: 0"]  # abbreviation
+    assert texts(run(shell, "%dist -- --rank")[1]) == ["Out[rank 0]: 0", "Out[rank 1]: 1"]
+    assert texts(run(shell, "%dist --ranks=1 --timeout 30 -q rank")[1]) == []
+    assert texts(run(shell, "%%dist --quiet\nrank")[1]) == []
+    assert texts(run(shell, "%dist x = rank")[1]) == []  # a statement has no value
+
+
+@pytest.mark.timeout(120)
+def test_rich_and_multiline_values(shell, dist_group):
+    _, captured = run(shell, "%%dist\n"
+                             "class Rich:\n"
+                             "    def __init__(self, r): self.r = r\n"
+                             "    def __repr__(self): return f'Rich({self.r})'\n"
+                             "    def _repr_html_(self): return f'<i>rank {self.r}</i>'\n"
+                             "Rich(rank)")
+    first = captured.outputs[0].data
+    assert first["text/plain"] == "Out[rank 0]: Rich(0)"
+    assert first["text/html"] == "<div><b>Out[rank 0]:</b></div><i>rank 0</i>"
+
+    _, captured = run(shell, "%%dist\n"
+                             "class Picture:\n"
+                             "    def _repr_png_(self): return b'\\x89PNG-rank%d' % rank\n"
+                             "Picture()")
+    assert len(captured.outputs) == 4  # a header, then the object as it is, per rank
+    assert captured.outputs[0].data["text/plain"] == "Out[rank 0]:"
+    assert captured.outputs[1].data["image/png"] == b"\x89PNG-rank0"
+    assert captured.outputs[3].data["image/png"] == b"\x89PNG-rank1"
+
+    _, captured = run(shell, "%dist torch.ones(2, 2) * rank")
+    assert texts(captured)[1] == "Out[rank 1]:\ntensor([[1., 1.],\n        [1., 1.]])"
+
+    _, captured = run(shell, "%%dist\n"
+                             "class Shows:\n"
+                             "    def __init__(self, r): self.r = r\n"
+                             "    def _ipython_display_(self): print('shown by itself', self.r)\n"
+                             "Shows(rank)")
+    assert captured.outputs == [] and "shown by itself 1" in captured.stdout
+
+
+@pytest.mark.timeout(120)
+def test_remote_error_shows_the_remote_traceback_then_the_group_works(shell, dist_group):
+    result, captured = run(shell, "%%dist\n"
+                                  "def divide(x):\n"
+                                  "    return 1 / x\n"
+                                  "divide(rank)")
+    assert isinstance(result.error_in_exec, RemoteError)
+    assert result.error_in_exec.ranks == [0]
+    out = captured.stdout
+    assert "--- rank 0 ---" in out and "--- rank 1 ---" not in out
+    assert "in divide" in out and "ZeroDivisionError: division by zero" in out
+    assert "group.py" not in out and "magics.py" not in out
+    assert texts(run(shell, "%dist rank")[1]) == ["Out[rank 0]: 0", "Out[rank 1]: 1"]
+
+
+@pytest.mark.timeout(60)
+def test_syntax_error_is_reported_without_a_round_trip(shell, dist_group):
+    result, captured = run(shell, "%%dist\nx = (")
+    assert isinstance(result.error_in_exec, SyntaxError)
+    assert "'(' was never closed" in captured.stdout
+
+
+@pytest.mark.timeout(120)
+def test_timeout_says_what_happened(shell, magic_group):
+    result, captured = run(shell, "%dist --timeout 1 __import__('time').sleep(60)")
+    assert type(result.error_in_exec).__name__ == "DistTimeoutError"
+    assert "DistTimeoutError" in captured.stdout and "still running after 1 s" in captured.stdout
+    assert "group.py" not in captured.stdout
+
+
+@pytest.mark.timeout(120)
+def test_interrupt_says_what_happened(shell, magic_group, tmp_path):
+    def interrupt_when_both_ranks_sleep():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            if all((tmp_path / f"sleeping-{r}").exists() for r in (0, 1)):
+                os.kill(os.getpid(), signal.SIGINT)  # what "interrupt kernel" does to the kernel
+                return
+            time.sleep(0.05)
+
+    thread = threading.Thread(target=interrupt_when_both_ranks_sleep)
+    thread.start()
+    result, captured = run(shell, "%%dist\n"
+                                  "import pathlib, time\n"
+                                  f"pathlib.Path({str(tmp_path)!r}, f'sleeping-{{rank}}').touch()\n"
+                                  "time.sleep(60)")
+    thread.join()
+    assert isinstance(result.error_in_exec, GroupInterrupted)
+    assert "GroupInterrupted" in captured.stdout and "interrupted ranks 0, 1" in captured.stdout
+    assert "group.py" not in captured.stdout
+
+
+@pytest.mark.timeout(180)
+def test_dead_rank_then_closed_group_then_restart(shell, magic_group):
+    result, captured = run(shell, "%%dist\nimport os\nif rank == 1:\n    os._exit(3)")
+    assert type(result.error_in_exec).__name__ == "RankDiedError"
+    assert "rank 1 exited with code 3" in captured.stdout
+    result, captured = run(shell, "%dist rank")
+    assert type(result.error_in_exec).__name__ == "GroupClosedError"
+    assert "this group is broken" in captured.stdout
+    _, captured = run(shell, "%dist_restart -n 1")
+    assert "nbdist: restarted 1 ranks (backend gloo, device cpu)" in captured.stdout
+    assert texts(run(shell, "%dist world_size")[1]) == ["Out[rank 0]: 1"]
+    run(shell, "%dist_restart -n 2")
+
+
+# ---- variables and status ---------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_push_and_pull_tensors(shell, dist_group):
+    import torch
+
+    shell.user_ns["x"] = torch.arange(4.0)
+    shell.user_ns["scale"] = 10
+    shell.run_line_magic("dist_push", "x scale")
+    shell.run_cell_magic("dist", "", "y = x * (rank + 1) * scale")
+    shell.run_line_magic("dist_pull", "y")
+    assert [v.tolist() for v in shell.user_ns["y"]] == [[0, 10, 20, 30], [0, 20, 40, 60]]
+    shell.run_line_magic("dist_pull", "y --rank 1")
+    assert shell.user_ns["y"].tolist() == [0, 20, 40, 60]
+    shell.run_line_magic("dist_pull", "rank world_size")
+    assert shell.user_ns["rank"] == [0, 1] and shell.user_ns["world_size"] == [2, 2]
+
+    shell.user_ns["only0"] = "zero"
+    shell.run_line_magic("dist_push", "only0 --ranks 0")
+    assert texts(run(shell, "%dist 'only0' in globals()")[1]) == \
+        ["Out[rank 0]: True", "Out[rank 1]: False"]
+    with pytest.raises(RemoteError, match="'only0' not defined on rank 1"):
+        shell.run_line_magic("dist_pull", "only0")
+
+
+@pytest.mark.timeout(60)
+def test_status_is_a_table(shell, dist_group):
+    _, captured = run(shell, "%dist_status")
+    data = captured.outputs[0].data
+    assert data["text/plain"].startswith("group: ready, world size 2, backend gloo")
+    assert "<table>" in data["text/html"]
+    for r in dist_group.status().ranks:
+        assert str(r.pid) in data["text/plain"]
+
+
+# ---- autodist ---------------------------------------------------------------------------------
+@pytest.mark.timeout(120)
+def test_autodist_runs_every_cell_on_the_ranks_until_toggled_off(shell, dist_group):
+    shell.user_ns.pop("on_ranks", None)
+    _, captured = run(shell, "%autodist")
+    assert "autodist on: every cell runs on the ranks; %autodist turns it off." in captured.stdout
+    try:
+        assert shell.input_transformer_manager.check_complete("a = 1\n")[0] == "complete"
+        assert texts(run(shell, "on_ranks = rank * 100\non_ranks")[1]) == \
+            ["Out[rank 0]: 0", "Out[rank 1]: 100"]
+        assert "on_ranks" not in shell.user_ns
+        _, captured = run(shell, "%dist_status")  # magics run in the kernel
+        assert captured.outputs[0].data["text/plain"].startswith("group: ready")
+    finally:
+        _, captured = run(shell, "%autodist")
+    assert "autodist off: cells run in the kernel again." in captured.stdout
+    run(shell, "local_again = 5")
+    assert shell.user_ns["local_again"] == 5
+
+
+@pytest.mark.timeout(120)
+def test_autodist_options_apply_to_every_cell(shell, dist_group):
+    run(shell, "%autodist --ranks 1 --timeout 30 -q")
+    try:
+        _, captured = run(shell, "print('from', rank)\nrank")
+    finally:
+        run(shell, "%autodist")
+    assert "[rank 1] from 1" in captured.stdout and "[rank 0]" not in captured.stdout
+    assert captured.outputs == []
+
+
+# ---- lifecycle --------------------------------------------------------------------------------
+@pytest.mark.timeout(60)
+def test_start_reports_the_running_group(shell, dist_group):
+    _, captured = run(shell, "%dist_start -n 3")
+    assert "nbdist: a group is already running: <nbdist.Group" in captured.stdout
+    assert magics.current_group() is dist_group and dist_group.world_size == 2
+
+
+@pytest.mark.timeout(120)
+def test_stop_leaves_no_worker_behind(shell, magic_group):
+    pids = [r.pid for r in magic_group.status().ranks]
+    run(shell, "%autodist")
+    _, captured = run(shell, "%dist_stop")
+    assert "nbdist: group stopped." in captured.stdout
+    assert magic_group.state == "stopped" and magics.current_group() is None
+    assert not [p for p in pids if psutil.pid_exists(p)]
+    run(shell, "cell_after_stop = 1")  # %dist_stop turned %autodist off: this runs here
+    assert shell.user_ns["cell_after_stop"] == 1
+
+
+@pytest.mark.timeout(180)
+def test_unload_stops_the_groups_it_started_but_not_attached_ones(shell, magic_group,
+                                                                 shared_group):
+    shell.run_line_magic("load_ext", "nbdist")  # loaded already: harmless
+    nbdist.load_ipython_extension(shell)  # called again directly: still one set of magics
+    registry = shell.magics_manager.registry
+    assert sum(isinstance(m, magics.DistMagics) for m in registry.values()) == 1
+    run(shell, "%autodist")
+    shell.run_line_magic("unload_ext", "nbdist")
+    try:
+        assert shell.find_line_magic("dist_start") is None
+        assert shell.find_cell_magic("dist") is None
+        assert not [t for t in shell.input_transformers_cleanup if "autodist" in repr(t)]
+        assert magic_group.state == "stopped" and magics.current_group() is None
+        shell.run_line_magic("load_ext", "nbdist")
+        magics.use_group(shared_group)  # started in code, attached: its owner stops it
+        assert texts(run(shell, "%dist rank")[1]) == ["Out[rank 0]: 0", "Out[rank 1]: 1"]
+        shell.run_line_magic("unload_ext", "nbdist")
+        assert shared_group.state == "ready" and magics.current_group() is shared_group
+    finally:
+        magics.use_group(None)
+        shell.run_line_magic("load_ext", "nbdist")
+
+
+@pytest.mark.timeout(30)
+def test_use_group_takes_a_group():
+    with pytest.raises(TypeError, match="use_group\\(\\) takes an nbdist.Group .or None., got str"):
+        magics.use_group("g")
+
+
+@pytest.mark.timeout(60)
+def test_more_magics_can_be_registered(shell, monkeypatch):
+    monkeypatch.setattr(magics, "_magic_classes", list(magics._magic_classes))
+
+    @magics.register_magics
+    @magics_class
+    class ExtraMagics(magics.NbdistMagics):
+        @line_magic
+        def dist_extra(self, line=""):
+            """A magic another module adds."""
+            return "extra " + line
+
+    assert shell.run_line_magic("dist_extra", "ok") == "extra ok"  # added to the loaded shell
+    with pytest.raises(ValueError, match="a magics class named 'ExtraMagics' is already "
+                                         "registered .registered: DistMagics, ExtraMagics."):
+        magics.register_magics(ExtraMagics)
+    shell.run_line_magic("unload_ext", "nbdist")
+    assert shell.find_line_magic("dist_extra") is None
+    shell.run_line_magic("load_ext", "nbdist")
+    assert shell.find_line_magic("dist_extra") is not None
+    shell.run_line_magic("unload_ext", "nbdist")
+    monkeypatch.undo()
+    shell.run_line_magic("load_ext", "nbdist")
+    assert shell.find_line_magic("dist_extra") is None
