@@ -44,6 +44,10 @@ class CallEngine:
                     rank = self._ranks[r]
                     rank.state, rank.busy_with, rank.since = "busy", what, now
                     try:
+                        freed = self._freed.get(r)
+                        if freed:
+                            paths, freed[:] = list(freed), []
+                            rank.channel.send_bytes(transport.encode(("free", 0, paths)))
                         rank.channel.send_bytes(msg)
                     except OSError:
                         pass  # the sentinel tells the rest

@@ -21,7 +21,7 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from . import launcher, serialize, transport
+from . import launcher, serialize, shmpool, transport
 from .backends import BackendChoice, resolve_backend
 from .errors import GroupClosedError
 from .dispatch import CallEngine
@@ -199,6 +199,8 @@ class Group(CallEngine):
             self._cleanup()
             self._state = "broken"
             raise
+        self._freed: Dict[int, List[str]] = {r.rank: [] for r in self._ranks}
+        shmpool.set_release_hook(self.id, self._segment_freed)
         self._sel = selectors.DefaultSelector()
         for r in self._ranks:
             self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
@@ -232,6 +234,11 @@ class Group(CallEngine):
             return ranks
         finally:
             listener.close()
+
+    def _segment_freed(self, path: str) -> None:
+        # Runs wherever the last tensor on a pooled segment dies; list.append is thread-safe.
+        rank = int(os.path.basename(path).split("-")[2][1:])
+        self._freed.get(rank, []).append(path)
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
         from .output import default_sink
@@ -309,6 +316,7 @@ class Group(CallEngine):
             self._pump.drain(flush_partial=True)
             self._pump.close()
             self._pump = None
+        shmpool.set_release_hook(self.id, None)
         serialize.remove_segments(serialize.leftover_segments(self.id))
         self._store = None
         if self._remote is not None and self._remote.get("key_file") and \

@@ -5,8 +5,8 @@ A large CPU tensor is not pickled byte by byte. Its data is copied once into a f
 receiver maps the file (``torch.from_file``), so the bytes never pass through a socket. Files are
 named ``nbdist-<group id>-...`` so that a group can remove anything a crash left behind.
 
-Results travelling worker -> caller are mapped shared and unlinked at once by the caller; values
-pushed caller -> workers are mapped private (copy-on-write) by every rank and unlinked by the caller
+Results travelling worker -> caller go into segments a worker reuses (see :mod:`nbdist.shmpool`);
+values pushed caller -> workers are mapped private (copy-on-write) by every rank and unlinked by the caller
 once all ranks have answered.
 """
 from __future__ import annotations
@@ -70,8 +70,9 @@ class Pickler(cloudpickle.Pickler):
     ``created`` lists the files this pickler made.
     """
 
-    def __init__(self, file, prefix: Optional[str], private: bool, unlink: bool):
+    def __init__(self, file, prefix: Optional[str], private: bool, unlink: bool, pool=None):
         super().__init__(file, protocol=5)
+        self.pool = pool
         self.prefix = prefix
         self.private = private
         self.unlink = unlink
@@ -79,7 +80,7 @@ class Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
-        if (self.prefix is not None and torch is not None
+        if ((self.prefix is not None or self.pool is not None) and torch is not None
                 and type(obj) in (torch.Tensor, torch.nn.Parameter)):
             reduced = self._reduce_tensor(obj, torch)
             if reduced is not None:
@@ -92,6 +93,14 @@ class Pickler(cloudpickle.Pickler):
                 or t.numel() * t.element_size() < SHM_MIN_BYTES):
             return None
         data = t.detach().contiguous()
+        is_param = isinstance(t, torch.nn.Parameter)
+        requires_grad = bool(t.requires_grad and (t.is_leaf or is_param))
+        if self.pool is not None:
+            from .shmpool import rebuild_pooled
+
+            path, nbytes = self.pool.store(data)
+            return (rebuild_pooled, (path, nbytes, data.dtype, tuple(data.shape), requires_grad,
+                                     is_param))
         path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self.created.append(path)
@@ -99,8 +108,6 @@ class Pickler(cloudpickle.Pickler):
             _write_all(fd, memoryview(data.view(-1).view(torch.uint8).numpy()))
         finally:
             os.close(fd)
-        is_param = isinstance(t, torch.nn.Parameter)
-        requires_grad = bool(t.requires_grad and (t.is_leaf or is_param))
         return (_rebuild_tensor,
                 (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
                  self.unlink))
@@ -114,13 +121,13 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 
 def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
-          unlink: bool = True):
+          unlink: bool = True, pool=None):
     """Pickle ``obj`` by value; returns ``(bytes, created_segment_paths)``.
 
     On failure every segment already written is removed again before the error propagates.
     """
     buf = io.BytesIO()
-    pickler = Pickler(buf, prefix, private, unlink)
+    pickler = Pickler(buf, prefix, private, unlink, pool)
     try:
         pickler.dump(obj)
     except BaseException:

@@ -33,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from . import serialize, transport
+from .shmpool import SegmentPool
 
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
@@ -50,7 +51,7 @@ class _Worker:
         self.rank = cfg["rank"]
         self.ns: Dict[str, Any] = {}
         self.cells = 0
-        self.result_prefix = serialize.shm_prefix(cfg["group_id"], f"r{self.rank}") \
+        self.pool = SegmentPool(serialize.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
             if cfg["shm"] else None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -173,6 +174,10 @@ class _Worker:
             kind, seq, payload = channel.recv()
             if kind == "stop":
                 return
+            if kind == "free":  # the caller released pooled result segments
+                if self.pool is not None:
+                    self.pool.release(payload)
+                continue
             reply = self._handle(handlers[kind], payload, seq)
             _flush_output()
             channel.send_bytes(reply)
@@ -187,7 +192,7 @@ class _Worker:
         except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
             return transport.encode(("err", seq, _failure(exc, self.rank)))
         try:
-            data, _ = serialize.dumps(value, self.result_prefix, private=False, unlink=True)
+            data, _ = serialize.dumps(value, None, pool=self.pool)
         except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file
             text = (f"the result on rank {self.rank} ({type(value).__module__}."
                     f"{type(value).__qualname__}) could not be pickled to send it back: "

@@ -38,11 +38,13 @@ def _children():
 
 
 def _segments():
-    """Segments of groups started by this test process (other sessions may share /dev/shm)."""
-    from nbdist.group import started_ids
+    """Segments of this process's groups that are no longer running (other sessions may share
+    /dev/shm; a running group legitimately keeps its pooled result segments)."""
+    from nbdist.group import _live, started_ids
 
+    running = {g.id for g in list(_live) if g.state != "stopped"}
     return {p for p in glob.glob("/dev/shm/nbdist-*")
-            if os.path.basename(p).split("-")[1] in started_ids}
+            if os.path.basename(p).split("-")[1] in started_ids - running}
 
 
 @pytest.fixture(autouse=True)

@@ -203,3 +203,26 @@ def test_doctor_cli():
                          text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "torch" in out.stdout and "gloo" in out.stdout and "auto picks" in out.stdout
+
+
+def test_result_segments_are_reused_only_after_the_caller_released_them(shared_group):
+    import gc
+    import glob
+
+    def segments():
+        return sorted(glob.glob(f"/dev/shm/nbdist-{shared_group.id}-r0-*"))
+
+    a = shared_group.exec("torch.full((100_000,), 1.0)", ranks=[0])[0]
+    b = shared_group.exec("torch.full((100_000,), 2.0)", ranks=[0])[0]
+    assert a[0].item() == 1.0 and b[0].item() == 2.0  # a still held: b got its own segment
+    before = segments()
+    view = a[10:20]
+    del a
+    gc.collect()
+    c = shared_group.exec("torch.full((100_000,), 3.0)", ranks=[0])[0]
+    assert view[0].item() == 1.0 and c[0].item() == 3.0  # a view keeps the segment lent
+    del view
+    gc.collect()
+    d = shared_group.exec("torch.full((100_000,), 4.0)", ranks=[0])[0]
+    assert (b[0].item(), c[0].item(), d[0].item()) == (2.0, 3.0, 4.0)
+    assert len(segments()) == len(before) + 1  # d reused a's segment, c needed a new one

@@ -73,8 +73,9 @@ def _fds():
 
 
 def test_fifty_start_stop_cycles_leave_nothing_behind():
-    with nbdist.start(2) as warm:  # warm the forkserver and torch state first
-        warm.run(int)
+    with nbdist.start(2) as warm:  # warm the forkserver and torch's thread pool first
+        warm.push(t=__import__("torch").ones(100_000))
+        warm.exec("t")
     fds0, threads0 = _fds(), len(psutil.Process().threads())
     tmp0 = set(glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*")))
     pids = set()
@@ -83,6 +84,7 @@ def test_fifty_start_stop_cycles_leave_nothing_behind():
         pids.update(r.pid for r in g.status().ranks)
         if i % 10 == 0:
             g.push(t=__import__("torch").ones(100_000))
+            g.exec("t * 2")  # a result through a pooled segment
         g.stop()
     assert _wait_gone(pids, 5) == []
     assert _fds() <= fds0, f"file descriptors leaked: {fds0} -> {_fds()}"
