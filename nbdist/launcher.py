@@ -17,6 +17,7 @@ import os
 import selectors
 import socket
 import sys
+import threading
 import time
 import types
 from dataclasses import dataclass
@@ -37,6 +38,25 @@ def mp_context():
         ctx.set_forkserver_preload(["nbdist.worker"])
         return ctx
     return mp.get_context("spawn")
+
+
+def prewarm(background: bool = True) -> None:
+    """Start the forkserver (and its torch import, about a second) now, so the first group starts
+    fast. ``%load_ext nbdist`` calls this in the background. No-op where there is no forkserver."""
+    ctx = mp_context()
+    if ctx.get_start_method() != "forkserver":
+        return
+
+    def run():
+        from multiprocessing import forkserver
+
+        with _main_hidden():
+            forkserver.ensure_running()
+
+    if background:
+        threading.Thread(target=run, name="nbdist-prewarm", daemon=True).start()
+    else:
+        run()
 
 
 def loopback_interface() -> Optional[str]:

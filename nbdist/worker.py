@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import traceback
+import types
 from datetime import timedelta
 from typing import Any, Dict
 
@@ -143,7 +144,22 @@ class _Worker:
     # ---- requests ---------------------------------------------------------------------------
     def do_run(self, payload: bytes):
         fn, args, kwargs = serialize.loads(payload)
-        return fn(*args, **kwargs)
+        return self._with_namespace(fn)(*args, **kwargs)
+
+    def _with_namespace(self, fn):
+        """A notebook function sees the rank's namespace for names it did not bring along.
+
+        cloudpickle ships the globals a ``__main__`` function uses that existed in the kernel;
+        other names (e.g. a ``model`` made with ``exec`` on the ranks) resolve here instead.
+        """
+        if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
+            return fn
+        scope = dict(self.ns)
+        scope.update(fn.__globals__)
+        bound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
+                                   fn.__closure__)
+        bound.__kwdefaults__ = fn.__kwdefaults__
+        return bound
 
     def do_exec(self, payload):
         source, filename = payload

@@ -67,7 +67,13 @@ def _is_loaded(shell) -> bool:
 
 
 def load_ipython_extension(shell) -> None:
-    """Register the magics of every registered class; loading again changes nothing."""
+    """Register the magics of every registered class; loading again changes nothing.
+
+    Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
+    """
+    from ..launcher import prewarm
+
+    prewarm()
     for cls in _magic_classes:
         if cls.__name__ not in shell.magics_manager.registry:
             shell.register_magics(cls)

@@ -226,3 +226,11 @@ def test_result_segments_are_reused_only_after_the_caller_released_them(shared_g
     d = shared_group.exec("torch.full((100_000,), 4.0)", ranks=[0])[0]
     assert (b[0].item(), c[0].item(), d[0].item()) == (2.0, 3.0, 4.0)
     assert len(segments()) == len(before) + 1  # d reused a's segment, c needed a new one
+
+
+def test_notebook_functions_see_the_rank_namespace(shared_group):
+    shared_group.exec("scale = 10 * (rank + 1)")
+    fn = notebook_function("def f(x):\n    return x * scale\n", "f")
+    assert shared_group.run(fn, 2) == [20, 40]
+    shadow = notebook_function("scale = 1\ndef g(x):\n    return x * scale\n", "g")
+    assert shared_group.run(shadow, 2) == [2, 2]  # a global shipped from the kernel wins
