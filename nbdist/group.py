@@ -167,6 +167,11 @@ class Group(CallEngine):
         return self._choice.device
 
     @property
+    def timeout(self) -> float:
+        """torch.distributed's process-group timeout on the ranks, in seconds."""
+        return float(self._opts["timeout"])
+
+    @property
     def state(self) -> str:
         """``"ready"``, ``"busy"``, ``"broken"`` (restart needed) or ``"stopped"``."""
         return self._state

@@ -150,6 +150,8 @@ class OutputPump:
                 self.on_eof(who[0])
 
     def _emit(self, rank: int, stream: str, text: str) -> None:
+        if "\r" in text:  # progress bars redraw with \r: keep what the terminal would show
+            text = "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
         if stream == "stderr":
             self._tails[rank].extend(text.splitlines())
         try:

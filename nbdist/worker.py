@@ -16,6 +16,7 @@ so workers never outlive a killed kernel.
 from __future__ import annotations
 
 import ast
+import atexit
 import ctypes
 import linecache
 import os
@@ -120,6 +121,9 @@ class _Worker:
                                 world_size=cfg["world_size"],
                                 timeout=timedelta(seconds=cfg["timeout"]))
         self._guard_init()
+        from . import lightning  # an import hook only: Lightning itself loads when user code asks
+
+        lightning.install_hooks()
         self.ns.update({"__name__": "__main__", "__builtins__": __builtins__, "torch": torch,
                         "dist": dist, "rank": self.rank, "world_size": cfg["world_size"],
                         "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
@@ -276,6 +280,7 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
         os._exit(71)  # the controller is gone
     try:
         dist.destroy_process_group()
+        atexit._run_exitfuncs()  # user atexit handlers, multiprocessing's finalizers (semaphores)
     finally:
         _flush_output()
         os._exit(0)

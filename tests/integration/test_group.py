@@ -234,3 +234,10 @@ def test_notebook_functions_see_the_rank_namespace(shared_group):
     assert shared_group.run(fn, 2) == [20, 40]
     shadow = notebook_function("scale = 1\ndef g(x):\n    return x * scale\n", "g")
     assert shared_group.run(shadow, 2) == [2, 2]  # a global shipped from the kernel wins
+
+
+def test_progress_bar_redraws_show_only_the_last_state():
+    lines = []
+    with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines())) as g:
+        g.exec("import sys\nsys.stderr.write('step 1/3\\rstep 2/3\\rstep 3/3\\n')", ranks=[0])
+    assert lines == ["step 3/3"]
