@@ -155,3 +155,82 @@ def test_worker_outside_a_launcher_says_what_is_missing(tmp_path):
                           "--key-file", str(key)], env=env, capture_output=True, text=True,
                          timeout=60)
     assert out.returncode != 0 and "$RANK is not set: start this worker with torchrun" in out.stderr
+
+
+def _sh(*cmd):
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+
+
+@pytest.fixture
+def netns():
+    """A network namespace "node" reachable from this one over a veth pair (10.250.x.0/30)."""
+    import secrets
+
+    tag = secrets.token_hex(2)
+    ns, host_if, node_if = f"nbd{tag}", f"nbh{tag}", f"nbn{tag}"
+    made = _sh("ip", "netns", "add", ns)
+    if made.returncode != 0:
+        pytest.skip(f"network namespaces are not available here: {made.stderr.strip()}")
+    octet = int(tag, 16) % 250
+    host_ip, node_ip = f"10.250.{octet}.1", f"10.250.{octet}.2"
+    try:
+        for cmd in (("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if),
+                    ("ip", "link", "set", node_if, "netns", ns),
+                    ("ip", "addr", "add", f"{host_ip}/30", "dev", host_if),
+                    ("ip", "link", "set", host_if, "up"),
+                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", node_if),
+                    ("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"),
+                    ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")):
+            res = _sh(*cmd)
+            if res.returncode != 0:
+                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): {res.stderr.strip()}")
+        yield ns, host_ip, node_ip
+    finally:
+        _sh("ip", "link", "del", host_if)
+        _sh("ip", "netns", "del", ns)
+
+
+def test_controller_and_ranks_on_different_addresses(netns, tmp_path):
+    ns, host_ip, node_ip = netns
+    port = _free_port()
+    key_file = str(tmp_path / "key.hex")
+    box = {}
+
+    def attach():
+        try:
+            box["g"] = nbdist.attach(2, listen=f"{host_ip}:{port}", key_file=key_file,
+                                     join_timeout=90, progress=False, timeout=30)
+        except BaseException as err:  # noqa: BLE001 -- re-raised below
+            box["err"] = err
+
+    t = threading.Thread(target=attach)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(key_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen(
+            ["ip", "netns", "exec", ns, sys.executable, "-m", "nbdist.worker", "--connect",
+             f"{host_ip}:{port}", "--key-file", key_file], env=env,
+            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+    try:
+        t.join(120)
+        if "err" in box:
+            raise box["err"]
+        g = box["g"]
+        assert g.exec("t = torch.ones(2) * (rank + 1); dist.all_reduce(t); t.tolist()") == \
+            [[3.0, 3.0]] * 2
+        # the ranks really are on the other side of the veth pair
+        seen = g.run(lambda: __import__("os").popen("ip -4 -o addr show").read())
+        assert all(node_ip in s for s in seen)
+        g.stop()
+        for p in procs:
+            assert p.wait(30) == 0
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
