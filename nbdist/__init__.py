@@ -36,6 +36,18 @@ __all__ = sorted([
 ])
 
 
+_SUBMODULES = ("bench", "lightning", "memory", "shm", "strategies", "ui")
+
+
+def __getattr__(name):
+    # nbdist.memory.measure(...) etc. without an explicit import; each loads on first use.
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+
+
 def load_ipython_extension(ipython):
     """``%load_ext nbdist``: register the magics (imports IPython only now)."""
     from .ui.magics import load_ipython_extension as load

@@ -1,0 +1,244 @@
+"""Memory accounting on a rank: the unique-storage walk, the gc walk, the step's peak.
+
+:func:`model_state_bytes` can be called on any rank (in ``%%dist`` or ``group.run``) on a wrapped
+model and its optimizer. :func:`measure_on_rank` is what :func:`nbdist.memory.measure` runs on every
+rank; it returns a plain dict that becomes a :class:`nbdist.memory.MemoryRecord`.
+
+Storages are identified by (device, data pointer, size): a storage shared by several tensors
+(views, DDP's bucket views, FSDP's flat parameters) counts once, in the first category that reaches
+it (params, then grads, then optimizer state). DTensors count by their local shard.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import gc
+import os
+import sys
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from . import strategies as _strategies
+
+
+def optimizer_fn(name: str):
+    """The optimizer factory behind ``optimizer="adam" | "adamw" | "momentum" | "sgd"``."""
+    return {"adam": functools.partial(torch.optim.Adam, lr=1e-3),
+            "adamw": functools.partial(torch.optim.AdamW, lr=1e-3),
+            "momentum": functools.partial(torch.optim.SGD, lr=1e-2, momentum=0.9),
+            "sgd": functools.partial(torch.optim.SGD, lr=1e-2)}[name]
+
+
+def _key(t: torch.Tensor) -> tuple:
+    s = t.untyped_storage()
+    return (t.device.type, t.device.index, s.data_ptr(), s.nbytes())
+
+
+def _storages(tensors) -> Dict[tuple, int]:
+    from torch.distributed.tensor import DTensor
+
+    out = {}
+    for t in tensors:
+        if isinstance(t, DTensor):
+            t = t.to_local()
+        if isinstance(t, torch.Tensor) and t.layout == torch.strided and t.device.type != "meta":
+            k = _key(t)
+            out[k] = k[3]
+    return out
+
+
+def _state_tensors(obj):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _state_tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _state_tensors(v)
+
+
+def _walk(model: nn.Module, opt) -> List[Dict[tuple, int]]:
+    params = list(model.parameters())
+    opts = [opt] + [o for o in (getattr(opt, "optim", None),) if o is not None]  # ZeRO, OSS
+    found: List[Dict[tuple, int]] = []
+    for tensors in (params, [p.grad for p in params if p.grad is not None],
+                    [t for o in opts for t in _state_tensors(list(o.state.values()))]):
+        seen = {k for d in found for k in d}
+        found.append({k: v for k, v in _storages(tensors).items() if k not in seen})
+    return found
+
+
+def model_state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
+    """``{"params", "grads", "optimizer"}``: this rank's bytes, each unique storage counted once."""
+    params, grads, state = _walk(model, optimizer)
+    return {"params": sum(params.values()), "grads": sum(grads.values()),
+            "optimizer": sum(state.values())}
+
+
+def _gc_storages() -> Dict[tuple, int]:
+    # issubclass(type(o)), not isinstance: isinstance reads __class__, which warns on some objects
+    return _storages(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+
+
+def _trim_and_rss() -> int:
+    import ctypes
+
+    import psutil
+
+    gc.collect()
+    if sys.platform.startswith("linux"):  # glibc keeps freed memory until asked to return it
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return psutil.Process().memory_info().rss
+
+
+def _default_input(model: nn.Module, batch: int) -> torch.Tensor:
+    for m in model.modules():
+        if isinstance(m, nn.Linear):
+            return torch.randn(batch, m.in_features)
+    raise ValueError(f"cannot tell what input {type(model).__name__} takes (no nn.Linear in it); "
+                     "pass input_fn=lambda batch: <a batch of inputs> to measure()")
+
+
+def unit_for(nbytes: float):
+    """``(scale, name)`` of the decimal unit that shows ``nbytes`` best: (1e6, "MB")..."""
+    for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if nbytes >= scale:
+            return scale, name
+    return 1.0, "B"
+
+
+def human_bytes(n: float) -> str:
+    """``31406250000`` -> ``"31.4 GB"`` (decimal units, as the ZeRO paper)."""
+    scale, unit = unit_for(n)
+    return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} B"
+
+
+def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int, precision: str,
+                    profile: bool, input_fn, options: Dict[str, Any]) -> Dict[str, Any]:
+    """Train ``steps`` steps of ``model_fn()`` under strategy ``name`` here; return the figures."""
+    import torch.distributed as dist
+
+    device = torch.device(options["device"]) if options.get("device") else \
+        _strategies.default_device()
+    warm = nn.Linear(2, 2)  # the first optimizer imports torch._dynamo: keep it out of the baseline
+    optimizer_fn(optimizer)(warm.parameters()).step()
+    base = _gc_storages()
+    rss_base = _trim_and_rss()
+    torch.manual_seed(0)
+    model = model_fn()
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model_fn must return an nn.Module, got {type(model).__name__}")
+    num_params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+    torch.manual_seed(1 + dist.get_rank())
+    x = (input_fn(batch) if input_fn else _default_input(model, batch)).to(device)
+    model, opt = _strategies.wrap(name, model, optimizer_fn(optimizer), precision=precision,
+                                  **options)
+    cuda = device.type == "cuda"
+    peak = in_flight = live = 0
+    prof = known = None
+    for step in range(steps):
+        last = step == steps - 1
+        if last:
+            known = _gc_storages()
+            live = sum(v for k, v in known.items() if k not in base)
+            prof = _start_peak(device, profile)
+        opt.zero_grad()
+        out = model(x)
+        if last:  # between forward and backward: unsharded parameters, activations
+            ignore = set(known) | {_key(out)}
+            in_flight = sum(v for k, v in _gc_storages().items() if k not in ignore)
+        out.float().pow(2).mean().backward()
+        opt.step()
+        if last:
+            peak = _stop_peak(device, prof, live)
+    params, grads, state = _walk(model, opt)
+    ignore = set(base) | set(params) | set(grads) | set(state) | {_key(x), _key(out)}
+    other = sum(v for k, v in _gc_storages().items() if k not in ignore)
+    notes = _rank_notes(model, grads)
+    del model, opt, out, x, known, prof
+    rss = _trim_and_rss()
+    src = ("exact (CUDA caching allocator, max_memory_allocated)" if cuda else
+           "approximate (visible bytes before the step + largest rise of CPU allocations, "
+           "torch profiler)" if profile else "not measured (pass profile=True on CPU)")
+    return dict(strategy=name, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                device=str(device), num_params=num_params, params=sum(params.values()),
+                grads=sum(grads.values()), optimizer=sum(state.values()), other=other,
+                in_flight=in_flight, peak=peak if (cuda or profile) else None, rss=rss,
+                rss_base=rss_base, notes=notes, accuracy=dict(
+                    params="exact", grads="exact", optimizer="exact",
+                    other="exact for Python-visible tensors; C++-only buffers not seen",
+                    in_flight="exact for Python-visible tensors (activations included)",
+                    peak=src, rss="approximate (whole process, after malloc_trim)"))
+
+
+def _rank_notes(model: nn.Module, grads: Dict[tuple, int]) -> List[str]:
+    """What only the rank can see: DDP's hidden gradient copy, ShardedDDP's buckets."""
+    import torch.distributed as dist
+
+    notes = []
+    if getattr(model, "gradient_as_bucket_view", True) is False:
+        notes.append(f"DDP's reducer also holds a copy of the gradients in C++ (about "
+                     f"{human_bytes(sum(grads.values()))}, not counted here: see rss); "
+                     "gradient_as_bucket_view=True avoids it")
+    owner, buckets = (getattr(model, a, None) for a in ("_trainable_param_to_rank", "_bucket_list"))
+    if owner is not None and buckets:  # fairscale ShardedDataParallel
+        size = sum(_storages(b.buffer for b in buckets).values())
+        foreign = sum(p.grad.nbytes for p, r in owner.items() if p.grad is not None
+                      and r != dist.get_rank())
+        notes.append(f"ShardedDDP keeps {len(buckets)} unsharded reduce buckets "
+                     f"({human_bytes(size)}), one per destination rank; the gradients of other "
+                     f"ranks' parameters that fit a bucket stay alive in it: "
+                     f"{human_bytes(foreign)} of this rank's {human_bytes(sum(grads.values()))} "
+                     "of grads (ZeRO-2 counts only its own 1/N). reduce_buffer_size=0 frees them "
+                     "after each reduce and matches ZeRO-2, at one reduce per parameter")
+    return notes
+
+
+def _start_peak(device: torch.device, profile: bool):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        return None
+    if not profile:
+        return None
+    from torch.profiler import ProfilerActivity, profile as profiler
+
+    prof = profiler(activities=[ProfilerActivity.CPU], profile_memory=True)
+    with _quiet_fd2():
+        prof.__enter__()
+    return prof
+
+
+def _stop_peak(device: torch.device, prof, live: int) -> Optional[int]:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device)
+    if prof is None:
+        return None
+    with _quiet_fd2():
+        prof.__exit__(None, None, None)
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]" and str(e.device_type()).endswith("CPU"))
+    level = rise = 0
+    for _, nbytes in events:
+        level += nbytes
+        rise = max(rise, level)
+    return live + rise
+
+
+@contextlib.contextmanager
+def _quiet_fd2():
+    """Kineto prints "USDT: profiler_start/stop" to fd 2 on every session, whatever
+    KINETO_LOG_LEVEL says: hide fd 2 only while the profiler starts and stops."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(null)

@@ -1,0 +1,103 @@
+"""Plots of per-rank memory: measured stacked bars with the ZeRO estimate, and the estimate against
+world size. Each function takes data and ``ax=None`` and returns the Axes it drew on."""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter, NullFormatter
+
+from ...memory import estimate, unit_for
+
+COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "other": "#8172B3"}
+
+
+def plot_memory(records: Iterable, ax=None):
+    """Stacked bars (params / grads / optimizer / other) per strategy and rank.
+
+    ``records``: a :class:`nbdist.memory.MemoryReport` or any iterable of
+    :class:`nbdist.memory.MemoryRecord`. The ZeRO estimate of each record is a black dash across its
+    bar; bars are grouped by strategy, one per rank. The unit (KB, MB, GB) follows the data.
+    """
+    records = list(records)
+    if not records:
+        raise ValueError("plot_memory() needs at least one MemoryRecord "
+                         "(from nbdist.memory.measure)")
+    unit, unit_name = unit_for(max(r.model_state + r.other for r in records))
+    strategies = list(dict.fromkeys(r.strategy for r in records))
+    if ax is None:  # room for each group's bars and for its label
+        width = 1.0 + sum(max(0.5 * sum(r.strategy == s for r in records) + 0.3, 1.5)
+                          for s in strategies)
+        _, ax = plt.subplots(figsize=(max(4.0, width), 4))
+    x, ticks, pos = 0.0, [], []
+    marked = labelled = False
+    for name in strategies:
+        group = [r for r in records if r.strategy == name]
+        centres = []
+        for r in group:
+            bottom = 0.0
+            for part, color in COLORS.items():
+                value = getattr(r, part) / unit
+                ax.bar(x, value, 0.8, bottom=bottom, color=color,
+                       label=None if labelled else part)
+                bottom += value
+            labelled = True
+            if r.estimate:
+                ax.hlines(r.estimate / unit, x - 0.45, x + 0.45, colors="black", linewidth=2,
+                          label=None if marked else "ZeRO estimate")
+                marked = True
+            centres.append(x)
+            x += 1.0
+        pos.append(sum(centres) / len(centres))
+        ticks.append(f"{name}\nranks {group[0].rank}-{group[-1].rank}" if len(group) > 1 else name)
+        x += 0.6
+    top = max(max(r.model_state + r.other, r.estimate or 0) for r in records) / unit
+    ax.set_ylim(0, top * 1.15)
+    ax.set_xticks(pos)
+    ax.set_xticklabels(ticks, fontsize="small")
+    ax.set_ylabel(f"bytes per rank ({unit_name})")
+    ws = {r.world_size for r in records}
+    ax.set_title(f"memory per rank (world size {', '.join(map(str, sorted(ws)))})")
+    ax.legend(loc="upper right", fontsize="small")
+    return ax
+
+
+def plot_estimate(num_params, strategies: Sequence[str] = ("ddp", "zero1", "fsdp_grad_op", "fsdp"),
+                  world_sizes: Optional[Sequence[int]] = None, precision: str = "fp32",
+                  optimizer: str = "adam", ax=None, mark: Optional[int] = None,
+                  measured: Optional[Iterable] = None):
+    """Per-rank model-state bytes from :func:`nbdist.memory.estimate` against world size.
+
+    ``world_sizes`` defaults to 1, 2, 4, ..., 4096 (log-2 axis); ``mark`` draws a vertical line at
+    one world size (the one you plan for); ``measured`` (MemoryRecords) adds the measured model
+    state of each strategy and world size as crosses in the strategy's colour.
+    """
+    if not strategies:
+        raise ValueError("plot_estimate() needs at least one strategy name, e.g. ['ddp', 'fsdp']")
+    sizes = list(world_sizes or [2 ** i for i in range(13)])
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6, 4))
+    totals = {name: [estimate(num_params, n, name, precision, optimizer).total for n in sizes]
+              for name in strategies}
+    unit, unit_name = unit_for(max(max(v) for v in totals.values()))
+    points = {}
+    for r in measured or ():
+        points.setdefault((r.strategy, r.world_size), []).append(r.model_state / unit)
+    for name, values in totals.items():
+        (line,) = ax.plot(sizes, [v / unit for v in values], marker="o", markersize=3, label=name)
+        mine = [(n, sum(v) / len(v)) for (s, n), v in sorted(points.items()) if s == name]
+        if mine:
+            ax.plot(*zip(*mine), linestyle="none", marker="x", markersize=9,
+                    color=line.get_color(), label=f"{name} measured")
+    if mark is not None:
+        ax.axvline(mark, color="gray", linestyle=":", label=f"N = {mark}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("world size N (ranks)")
+    ax.set_ylabel(f"params + grads + optimizer per rank ({unit_name})")
+    psi = estimate(num_params, 1, 0, precision, optimizer).num_params
+    ax.set_title(f"ZeRO estimate, Ψ = {psi:,}, {precision} {optimizer}")
+    ax.legend(fontsize="small")
+    return ax
