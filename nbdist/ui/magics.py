@@ -72,6 +72,7 @@ def load_ipython_extension(shell) -> None:
     Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
     """
     from ..launcher import prewarm
+    from . import magics_tools  # noqa: F401 -- registers %dist_mem / %dist_bench
 
     prewarm()
     for cls in _magic_classes:

@@ -1,0 +1,79 @@
+"""``%dist_mem`` (and ``%dist_bench`` where the collective benchmark is available): the sharded
+memory view and the collective sweep, run on the current group, shown inline as a table and a plot.
+"""
+from __future__ import annotations
+
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import display
+
+from .magics import NbdistMagics, register_magics, usage
+
+
+def _show_figure(drawn) -> None:
+    """Show a figure inline as a PNG (works in any frontend, inline backend or not), then close it."""
+    import io
+
+    import matplotlib.pyplot as plt
+    from IPython.display import Image
+
+    fig = getattr(drawn, "figure", drawn)  # plot functions return a Figure or an Axes
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    plt.close(fig)
+    display(Image(data=buf.getvalue(), format="png"))
+
+
+@register_magics
+@magics_class
+class MemoryMagics(NbdistMagics):
+    """``%dist_mem``: per-rank memory of data-parallel strategies against the ZeRO formulas."""
+
+    @line_magic
+    @magic_arguments()
+    @argument("--model", default="mlp:4x2236", metavar="SPEC",
+              help="mlp:LAYERSxWIDTH, a parameter count such as 7.5B (estimate only), or the "
+                   "name of a function in this notebook that builds the model")
+    @argument("--strategies", default="ddp,zero1,fsdp", metavar="S[,S...]",
+              help="strategy names, e.g. ddp,zero1,fsdp_grad_op,fsdp,fsdp2")
+    @argument("--optimizer", default="adam", help="adam, adamw, momentum or sgd")
+    @argument("--precision", default="fp32", help="fp32 or bf16-mixed")
+    @argument("--steps", type=int, default=2, help="training steps per strategy (2)")
+    @argument("--batch", type=int, default=16, help="samples per rank (16)")
+    @argument("--world-sizes", default="2,8,64,512,4096", metavar="N[,N...]",
+              help="world sizes for the estimate plot of a parameter count")
+    @argument("--profile", action="store_true", help="measure the step's peak (CPU profiler)")
+    @argument("--no-plot", action="store_true", help="table only")
+    def dist_mem(self, line: str = ""):
+        """Train a few steps under each strategy on the current group and show each rank's
+        params / grads / optimizer state against the ZeRO estimate (table and stacked bars).
+
+        With a parameter count as --model (e.g. --model 7.5B) nothing runs: the analytic estimate
+        is shown for the world sizes of --world-sizes, so you can plan a cluster from a laptop.
+        """
+        from .. import memory
+
+        args = self.parse(self.dist_mem, line)
+        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        model = self.shell.user_ns.get(args.model)
+        try:
+            spec = model if callable(model) else memory.model_spec(args.model)
+            if isinstance(spec, int):
+                sizes = [int(n) for n in args.world_sizes.split(",")]
+                for n in sizes:
+                    print(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
+                if not args.no_plot:
+                    from .plots.memory import plot_estimate
+
+                    _show_figure(plot_estimate(spec, names, sizes, precision=args.precision,
+                                               optimizer=args.optimizer))
+                return None
+            report = memory.measure(self.group, spec, names, args.optimizer, args.steps,
+                                    args.batch, precision=args.precision, profile=args.profile)
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"{err}\n{usage(self.dist_mem)}") from None
+        print(report.table())
+        if not args.no_plot:
+            _show_figure(report.plot())
+        return None

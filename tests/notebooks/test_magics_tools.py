@@ -1,0 +1,39 @@
+"""%dist_mem (and %dist_bench) through a real IPython shell and real ranks."""
+import pytest
+from IPython.core.error import UsageError
+from IPython.utils.capture import capture_output
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def test_dist_mem_measures_on_the_current_group(shell, dist_group):
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model mlp:2x64 --strategies ddp,zero1 --steps 1 --batch 4")
+    assert "ddp" in cap.stdout and "zero1" in cap.stdout
+    assert any("image/png" in o.data for o in cap.outputs)
+
+
+def test_dist_mem_with_a_parameter_count_only_estimates(shell, no_group):
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,fsdp --world-sizes 64")
+    assert "120.0 GB" in cap.stdout and "1.9 GB" in cap.stdout
+    assert any("image/png" in o.data for o in cap.outputs)
+
+
+def test_dist_mem_takes_a_model_factory_from_the_notebook(shell, dist_group):
+    shell.run_cell("import torch\ndef tiny():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8))")
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model tiny --strategies ddp --steps 1 --no-plot")
+    assert "ddp" in cap.stdout and not cap.outputs
+
+
+def test_dist_mem_usage_errors(shell, dist_group):
+    with pytest.raises(UsageError, match="--model takes mlp:LAYERSxWIDTH.*\nusage: %dist_mem"):
+        shell.run_line_magic("dist_mem", "--model banana")
+    with pytest.raises(UsageError, match="usage: %dist_mem"):
+        shell.run_line_magic("dist_mem", "--steps x")
+
+
+def test_dist_mem_needs_a_group_to_measure(shell, no_group):
+    with pytest.raises(UsageError, match="no nbdist group is running"):
+        shell.run_line_magic("dist_mem", "--model mlp:2x8")
