@@ -1,0 +1,210 @@
+"""Tidy results: :class:`Table`, a list of dict rows with CSV/JSON/pandas exports, and
+:class:`Records`, the benchmark's table, which also formats itself and plots.
+
+Every row of a :class:`Records` has the fields in :data:`FIELDS` (see there for their meaning).
+CSV and JSON round-trip: ``Records.from_csv(path)`` gives back what ``to_csv(path)`` wrote.
+"""
+from __future__ import annotations
+
+import csv
+import html
+import io
+import json
+import os
+import re
+from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+
+from .units import format_bytes, format_rate, format_time
+
+FIELDS = {
+    "op": "the operation (see nbdist.bench.OPS)",
+    "bytes": "message size in bytes (nccl-tests' size: the largest buffer of the op)",
+    "count": "elements per buffer of that size",
+    "dtype": "element type, e.g. 'float32'",
+    "world_size": "number of ranks",
+    "backend": "torch.distributed backend of the group",
+    "device": "'cpu' or 'cuda'",
+    "iters": "measured iterations (after warm-up)",
+    "warmup": "warm-up iterations, not measured",
+    "time_s": "median over iterations of the slowest rank's time, in seconds",
+    "mean_s": "slowest rank's mean time per iteration (its block time / iters)",
+    "p10_s": "10th percentile of the same",
+    "p90_s": "90th percentile of the same",
+    "rank_min_s": "fastest rank's own median time",
+    "rank_max_s": "slowest rank's own median time",
+    "algbw_GBps": "bytes / mean_s, in GB/s (10**9 B/s): throughput, as nccl-tests reports it",
+    "busbw_GBps": "algbw times nccl-tests' bus factor of the op",
+    "status": "'ok', 'unsupported' (the backend raised; see note) or 'wrong' (result check failed)",
+    "verified": "the op's result was checked against the expected values (once per size)",
+    "note": "why an op is unsupported or wrong; None otherwise",
+}
+"""The fields of a benchmark record, with their meaning."""
+
+_INT_RE = re.compile(r"^-?\d+$")
+_FLOAT_RE = re.compile(r"^-?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-?(inf|nan)$")
+PathOrFile = Union[str, "os.PathLike[str]", io.IOBase]
+
+
+def _cell(text: str) -> Any:
+    """Inverse of how :meth:`Table.to_csv` writes a value."""
+    if text == "":
+        return None
+    if text in ("True", "False"):
+        return text == "True"
+    if _INT_RE.match(text):
+        return int(text)
+    if _FLOAT_RE.match(text):
+        return float(text)
+    return text
+
+
+def _read(source: PathOrFile) -> str:
+    if hasattr(source, "read"):
+        return source.read()
+    with open(source, encoding="utf-8") as f:
+        return f.read()
+
+
+def _write(text: str, path: Optional[PathOrFile]) -> Optional[str]:
+    if path is None:
+        return text
+    if hasattr(path, "write"):
+        path.write(text)
+    else:
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+    return None
+
+
+class Table(list):
+    """A list of dict rows (one per measurement) with exports to pandas, CSV and JSON."""
+
+    def columns(self) -> List[str]:
+        """Field names, in the order they first appear in the rows."""
+        return list(dict.fromkeys(k for row in self for k in row))
+
+    def to_pandas(self):
+        """The rows as a ``pandas.DataFrame`` (needs pandas; CSV and JSON do not)."""
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError("to_pandas() needs pandas (pip install pandas); to_csv() and "
+                              "to_json() work without it.") from err
+        return pd.DataFrame(list(self), columns=self.columns())
+
+    def to_csv(self, path: Optional[PathOrFile] = None) -> Optional[str]:
+        """Write CSV to ``path`` (a file name or an open text file); return the text if no path."""
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=self.columns(), lineterminator="\n")
+        writer.writeheader()
+        for row in self:
+            writer.writerow({k: "" if v is None else v for k, v in row.items()})
+        return _write(buf.getvalue(), path)
+
+    def to_json(self, path: Optional[PathOrFile] = None) -> Optional[str]:
+        """Write a JSON list of rows to ``path``; return the text if no path."""
+        return _write(json.dumps(list(self), indent=1) + "\n", path)
+
+    @classmethod
+    def from_csv(cls, source: PathOrFile):
+        """Read what :meth:`to_csv` wrote (a file name or an open text file)."""
+        reader = csv.DictReader(io.StringIO(_read(source)))
+        return cls({k: _cell(v) for k, v in row.items()} for row in reader)
+
+    @classmethod
+    def from_json(cls, source: PathOrFile):
+        """Read what :meth:`to_json` wrote (a file name or an open text file)."""
+        rows = json.loads(_read(source))
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise ValueError("expected a JSON list of records (objects), as to_json() writes; "
+                             f"got {type(rows).__name__}")
+        return cls(rows)
+
+    @classmethod
+    def concat(cls, tables: Iterable[Iterable[Dict[str, Any]]]):
+        """One table with the rows of several (e.g. runs on different backends)."""
+        return cls(row for table in tables for row in table)
+
+    def where(self, **match) -> "Table":
+        """The rows whose fields equal the given values: ``records.where(op="all_reduce")``."""
+        return type(self)(r for r in self if all(r.get(k) == v for k, v in match.items()))
+
+    def __add__(self, other):
+        return type(self)(list(self) + list(other))
+
+    def _formatters(self) -> Dict[str, Callable[[Any], str]]:
+        return {}
+
+    def format(self, columns: Optional[List[str]] = None) -> str:
+        """A plain-text table of ``columns`` (default: all), with readable units."""
+        columns = columns or self.columns()
+        fmt = self._formatters()
+        cells = [[fmt.get(c, _plain)(row.get(c)) for c in columns] for row in self]
+        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
+        lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
+        return "\n".join(line.rstrip() for line in lines)
+
+    def _repr_html_(self) -> str:
+        columns = self._columns_shown()
+        fmt = self._formatters()
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
+        body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt.get(c, _plain)(row.get(c)))}</td>"
+                                        for c in columns) + "</tr>" for row in self)
+        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+    def _columns_shown(self) -> List[str]:
+        return self.columns()
+
+    def __str__(self) -> str:
+        return self.format(self._columns_shown())
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__}: {len(self)} rows>\n{self}"
+
+
+def _plain(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+class Records(Table):
+    """Benchmark results: one row per (op, size, configuration); fields in :data:`FIELDS`.
+
+    A list of dicts with :meth:`to_pandas`, :meth:`to_csv`, :meth:`to_json`, :meth:`plot`, and a
+    readable ``str()`` table. ``records + other`` and :meth:`concat` join runs for comparisons.
+    """
+
+    SHOWN = ["op", "bytes", "world_size", "backend", "time_s", "p90_s", "mean_s", "algbw_GBps",
+             "busbw_GBps", "status"]
+    """The columns ``str()`` and the notebook display show (all are in the data)."""
+
+    def _formatters(self):
+        f = {k: format_time for k in FIELDS if k.endswith("_s")}
+        f.update(bytes=format_bytes, algbw_GBps=format_rate, busbw_GBps=format_rate)
+        return f
+
+    def _columns_shown(self) -> List[str]:
+        return [c for c in self.SHOWN if any(c in r for r in self)] or self.columns()
+
+    def plot(self, kind: str = "both", ax=None, limit: Optional[float] = None,
+             limit_label: str = "memcpy"):
+        """Draw the records with matplotlib; return the Axes (two for ``kind="both"``).
+
+        ``kind``: ``"both"`` (latency and bus bandwidth side by side), ``"latency"`` or
+        ``"busbw"``. ``limit`` (GB/s) adds a horizontal line to the bandwidth plot, e.g.
+        :func:`nbdist.bench.memcpy_bandwidth`. ``ax``: existing Axes to draw into (two for
+        ``"both"``).
+        """
+        from ..ui.plots import collectives as plots
+
+        if kind == "both":
+            return plots.plot_collectives(self, ax=ax, limit=limit, limit_label=limit_label)
+        if kind == "latency":
+            return plots.plot_latency(self, ax=ax)
+        if kind == "busbw":
+            return plots.plot_busbw(self, ax=ax, limit=limit, limit_label=limit_label)
+        raise ValueError(f"kind must be 'both', 'latency' or 'busbw', got {kind!r}")

@@ -1,0 +1,182 @@
+"""The caller's side of the benchmark: sweep ops x sizes on a group, compare configurations.
+
+Each (op, size) point is one call on the group (:func:`nbdist.bench.ops.measure` on every rank),
+so a sweep shows a progress bar and a dead or stuck rank is reported like any other call. The
+ranks return raw per-iteration times; :func:`summarize` turns them into one record.
+"""
+from __future__ import annotations
+
+import statistics
+from typing import Any, Dict, Iterable, Optional, Sequence, Union
+
+from .records import FIELDS, Records
+from .units import (MiB, bandwidths, format_bytes, parse_ops, parse_size, parse_sizes,
+                    percentile)
+
+DEFAULT_SIZES = "4K-64M"
+"""Sizes a sweep uses when none are given (every power of two from 4 KiB to 64 MiB)."""
+
+
+def _check_dtype(dtype: Any) -> str:
+    import torch
+
+    name = dtype if isinstance(dtype, str) else str(dtype).replace("torch.", "")
+    dt = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dt, torch.dtype) or dt.is_complex or dt == torch.bool:
+        raise ValueError(f"dtype must be a real floating-point or integer torch dtype, such as "
+                         f"torch.float32 or 'bfloat16'; got {dtype!r}")
+    return name
+
+
+def _check_count(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise ValueError(f"{name} must be an int of at least {least}, got {value!r}")
+    return value
+
+
+def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, Any]:
+    """One record from the ranks' raw results of :func:`nbdist.bench.ops.measure`.
+
+    Per iteration the op's time is the slowest rank's; ``time_s`` is the median of those (the
+    typical latency), ``p10_s``/``p90_s`` their percentiles, ``rank_min_s``/``rank_max_s`` the
+    fastest and slowest rank's own median. ``mean_s`` is the slowest rank's mean (its time for
+    the whole block / iters): the throughput a loop of these ops gets, as nccl-tests and a plain
+    timing loop measure it, so the bandwidths use it. (A per-iteration maximum would also count
+    the ranks' alternating lead from one iteration to the next, which costs no rank any time.)
+    ``meta`` supplies world_size, backend, device, dtype, iters, warmup.
+    """
+    first = results[0]
+    rec = _empty_record(op, first["bytes"], first["count"], meta)
+    bad = [(r, res) for r, res in enumerate(results) if res["status"] != "ok"]
+    if bad:
+        ranks = [r for r, _ in bad]
+        rec.update(status="unsupported", verified=None,
+                   note=f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                        f"{bad[0][1]['note']}")
+        return rec
+    timed = [res["times"] for res in results if res["times"]]
+    per_iter = [max(column) for column in zip(*timed)]
+    rank_medians = [statistics.median(t) for t in timed]
+    rec.update(time_s=statistics.median(per_iter), mean_s=max(map(statistics.fmean, timed)),
+               p10_s=percentile(per_iter, 10), p90_s=percentile(per_iter, 90),
+               rank_min_s=min(rank_medians), rank_max_s=max(rank_medians))
+    rec["algbw_GBps"], rec["busbw_GBps"] = bandwidths(op, rec["bytes"], rec["mean_s"],
+                                                      meta["world_size"])
+    wrong = [r for r, res in enumerate(results) if res["verified"] is False]
+    note = (f"the result differed from the expected values on rank{'s' if len(wrong) > 1 else ''} "
+            f"{', '.join(map(str, wrong))}") if wrong else None
+    rec.update(status="wrong" if wrong else "ok", verified=not wrong, note=note)
+    return rec
+
+
+def _empty_record(op: str, nbytes: int, count: Optional[int], meta) -> Dict[str, Any]:
+    rec = dict.fromkeys(FIELDS)
+    rec.update(op=op, bytes=nbytes, count=count,
+               **{k: meta[k] for k in ("dtype", "world_size", "backend", "device", "iters",
+                                       "warmup")})
+    return rec
+
+
+def collectives(group, ops: Union[None, str, Sequence[str]] = None,
+                sizes: Union[str, int, Iterable] = DEFAULT_SIZES, dtype: Any = "float32",
+                iters: int = 20, warmup: int = 5, progress: bool = True,
+                timeout: Optional[float] = None) -> Records:
+    """Benchmark collectives on ``group``; return one record per (op, size) as :class:`Records`.
+
+    Args:
+        group: a started :class:`nbdist.Group`.
+        ops: names from :data:`nbdist.bench.OPS` (a list or ``"all_reduce,barrier"``); default all.
+        sizes: message sizes in bytes, e.g. ``"4K-64M"`` (see :func:`parse_sizes`).
+        dtype: element type, e.g. ``"float32"`` or ``torch.bfloat16``.
+        iters: measured iterations per point; ``warmup``: iterations run before, not measured.
+        progress: show a progress bar (tqdm: a widget in notebooks, text in terminals).
+        timeout: deadline in seconds for each point (default: the group's ``call_timeout``).
+
+    An op the backend lacks gets ``status="unsupported"`` (with the backend's message in
+    ``note``); a result that fails its check gets ``status="wrong"``. Nothing is raised for them.
+    """
+    from . import ops as rank_ops
+
+    names = parse_ops(ops)
+    size_list = parse_sizes(sizes)
+    meta = dict(dtype=_check_dtype(dtype), iters=_check_count("iters", iters, 1),
+                warmup=_check_count("warmup", warmup, 0), world_size=group.world_size,
+                backend=group.backend, device=group.device)
+    points = [(op, size) for op in names for size in ([0] if op == "barrier" else size_list)]
+    records = Records()
+    with _progress(len(points), f"{meta['backend']} x{meta['world_size']}", progress) as bar:
+        for op, size in points:
+            bar.set_postfix_str(f"{op} {format_bytes(size) if size else ''}".strip(), refresh=False)
+            if op == "send_recv" and group.world_size < 2:
+                rec = _empty_record(op, size, None, meta)
+                rec.update(status="unsupported", note="send_recv needs at least 2 ranks (a "
+                           "ping-pong between ranks 0 and 1)")
+                records.append(rec)
+            else:
+                results = group.call(rank_ops.measure, (op, size, meta["dtype"], iters, warmup,
+                                                        meta["device"]), timeout=timeout)
+                records.append(summarize(op, results, **meta))
+            bar.update(1)
+    return records
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=total, desc=desc, disable=not enabled, leave=False, unit="pt")
+
+
+_CONFIG_KEYS = ("world_size", "backend", "device")
+
+
+def compare(group, configs: Sequence[Dict[str, Any]], **sweep) -> Records:
+    """Run the same sweep once per configuration; return all records in one :class:`Records`.
+
+    ``configs`` is a list of dicts with any of ``world_size``, ``backend`` and ``device``, e.g.
+    ``[{"backend": "gloo"}, {"backend": "nbstore"}, {"world_size": 4}]``; what a dict leaves out
+    stays as the group had it (``{}`` is the group as it was). The group is restarted whenever a
+    configuration differs from the running one, and put back as it was at the end. ``sweep`` takes
+    :func:`collectives`' arguments. Every configuration is checked before anything runs.
+    """
+    from ..backends import resolve_backend
+
+    if (isinstance(configs, (str, dict)) or not isinstance(configs, Sequence) or not configs
+            or not all(isinstance(c, dict) for c in configs)):
+        raise TypeError("configs must be a non-empty list of dicts of restart() options, e.g. "
+                        "[{'backend': 'gloo'}, {'world_size': 4}]")
+    for config in configs:
+        unknown = sorted(set(config) - set(_CONFIG_KEYS))
+        if unknown:
+            raise ValueError(f"compare() configs may set {', '.join(_CONFIG_KEYS)}; config "
+                             f"{config} also has {', '.join(unknown)}")
+        resolve_backend(config.get("backend", group.backend), config.get("device", group.device))
+    original = {"world_size": group.world_size, "backend": group.backend, "device": group.device}
+    current = dict(original)
+    out = Records()
+    try:
+        for config in configs:
+            target = dict(original, **config)
+            if target != current:
+                group.restart(**target)
+                current = target
+            out.extend(collectives(group, **sweep))
+    finally:
+        if current != original:
+            group.restart(**original)
+    return out
+
+
+def memcpy_bandwidth(group=None, nbytes: int = 64 * MiB, repeats: int = 5) -> float:
+    """Single-core memory copy bandwidth of this machine in GB/s (10**9 B/s).
+
+    A ``memmove`` of ``nbytes`` between two CPU buffers, median of ``repeats``: the most data one
+    process can move through memory per second, the limit a CPU collective's bandwidth is held
+    against. With a ``group`` it runs on rank 0 (the ranks' environment); otherwise here.
+    """
+    from . import ops as rank_ops
+
+    nbytes = parse_size(nbytes) if isinstance(nbytes, str) else _check_count("nbytes", nbytes, 1)
+    _check_count("repeats", repeats, 1)
+    if group is None:
+        return rank_ops.memcpy(nbytes, repeats)
+    return group.call(rank_ops.memcpy, (nbytes, repeats), ranks=[0])[0]

@@ -1,0 +1,158 @@
+"""Plots of collective benchmarks (:class:`nbdist.bench.Records`) and traces
+(:class:`nbdist.bench.Trace`). Each function takes the data and ``ax=None`` and returns the Axes it
+drew on (:func:`plot_collectives`: its two Axes); none calls ``plt.show()``.
+
+A line is drawn per op and configuration; its label names only what differs between the lines
+(the op, and the backend / world size / device / dtype when the records mix several).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import matplotlib.pyplot as plt
+from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+from ...bench.units import format_bytes, format_rate, format_time
+
+_CONFIG = ("backend", "world_size", "device", "dtype")
+_MARKERS = "os^vD<>p*h"
+
+
+def _lines(records: Iterable[Dict[str, Any]], value: str):
+    """Group ok records into lines: [(label, [(bytes, value)...], style index)]."""
+    rows = [r for r in records if r.get("status") == "ok" and r.get(value) is not None]
+    varying = [k for k in _CONFIG if len({r.get(k) for r in rows}) > 1]
+    lines: Dict[Tuple, List[Tuple[float, float]]] = {}
+    for r in rows:
+        key = (r["op"],) + tuple(r.get(k) for k in varying)
+        lines.setdefault(key, []).append((r["bytes"], r[value]))
+    out = []
+    for i, (key, points) in enumerate(lines.items()):
+        parts = [key[0]] + [f"{k.replace('world_size', 'n')}={v}" if k == "world_size" else str(v)
+                            for k, v in zip(varying, key[1:])]
+        out.append((" ".join(parts), sorted(points), i))
+    return out
+
+
+def _new_axes(ax):
+    if ax is None:
+        _, ax = plt.subplots(figsize=(6.4, 4.2))
+    return ax
+
+
+def _size_axis(ax, sizes: Sequence[float]) -> None:
+    ax.set_xscale("log", base=2)
+    sizes = sorted(set(sizes))
+    if sizes:
+        step = max(1, (len(sizes) + 7) // 8)  # at most ~8 labelled ticks
+        ax.xaxis.set_major_locator(FixedLocator(sizes[::step]))
+        ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: format_bytes(v)))
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.set_xlabel("message size")
+    ax.grid(True, which="major", alpha=0.3)
+
+
+def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
+    """Time per op (median over iterations of the slowest rank) against message size, log-log.
+
+    Barriers, which carry no data, are dashed horizontal lines.
+    """
+    records = list(records)
+    ax = _new_axes(ax)
+    sizes = []
+    for label, points, i in _lines((r for r in records if r["op"] != "barrier"), "time_s"):
+        xs, ys = zip(*points)
+        sizes += xs
+        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+    for label, points, _ in _lines((r for r in records if r["op"] == "barrier"), "time_s"):
+        ax.axhline(points[0][1], linestyle="--", color="gray", label=label)
+    ax.set_yscale("log")
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_time(v)))
+    ax.yaxis.set_minor_formatter(NullFormatter())
+    _size_axis(ax, sizes)
+    ax.set_ylabel("time per op (slowest rank, median)")
+    ax.set_title("latency")
+    if ax.get_lines():
+        ax.legend(fontsize="small")
+    return ax
+
+
+def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
+               limit_label: str = "memcpy"):
+    """Bus bandwidth (GB/s, nccl-tests' definition) against message size.
+
+    ``limit`` (GB/s) draws a horizontal line, e.g. the machine's memcpy bandwidth from
+    :func:`nbdist.bench.memcpy_bandwidth`, labelled ``limit_label`` and its value.
+    """
+    ax = _new_axes(ax)
+    sizes = []
+    for label, points, i in _lines(records, "busbw_GBps"):
+        xs, ys = zip(*points)
+        sizes += xs
+        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+    if limit is not None:
+        ax.axhline(limit, linestyle=":", color="black",
+                   label=f"{limit_label} ({format_rate(limit)})")
+    _size_axis(ax, sizes)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.set_ylabel("bus bandwidth (GB/s)")
+    ax.set_title("bus bandwidth")
+    if ax.get_lines():
+        ax.legend(fontsize="small")
+    return ax
+
+
+def plot_collectives(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
+                     limit_label: str = "memcpy"):
+    """Latency and bus bandwidth side by side; return the two Axes.
+
+    ``ax``: two existing Axes to draw into (default: a new figure).
+    """
+    records = list(records)
+    if ax is None:
+        _, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+    if len(ax) != 2:
+        raise ValueError(f"plot_collectives() draws into two Axes (latency, bandwidth), got "
+                         f"{len(ax)}")
+    plot_latency(records, ax=ax[0])
+    plot_busbw(records, ax=ax[1], limit=limit, limit_label=limit_label)
+    ax[0].figure.tight_layout()
+    return ax
+
+
+def plot_timeline(trace, ax=None):
+    """Per-rank timeline of a :class:`nbdist.bench.Trace`: a bar per collective, coloured by
+    op, over a light band for each rank's traced block. Times in ms from the earliest start."""
+    events = list(trace.events)
+    spans = dict(trace.spans)
+    ranks = sorted(set(spans) | {e["rank"] for e in events})
+    new = ax is None
+    if new:
+        _, ax = plt.subplots(figsize=(9, 0.6 * len(ranks) + 1.6))
+    starts = [b for b, _ in spans.values()] + [e["start"] for e in events]
+    t0 = min(starts) if starts else 0.0
+    for rank, (begin, end) in spans.items():
+        ax.broken_barh([((begin - t0) * 1e3, (end - begin) * 1e3)], (rank - 0.45, 0.9),
+                       color="0.93", zorder=0)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    ops = list(dict.fromkeys(e["op"] for e in events))
+    for i, op in enumerate(ops):
+        label = op
+        for rank in ranks:
+            bars = [((e["start"] - t0) * 1e3, max(e["duration"] * 1e3, 1e-3))
+                    for e in events if e["op"] == op and e["rank"] == rank]
+            if bars:
+                ax.broken_barh(bars, (rank - 0.35, 0.7), color=colors[i % len(colors)],
+                               edgecolor="white", linewidth=0.5, label=label)
+                label = None  # one legend entry per op
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.set_ylim(max(ranks, default=0) + 0.7, min(ranks, default=0) - 0.7)
+    ax.set_xlabel("time (ms)")
+    ax.set_title(f"collectives on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
+    if ops:
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
+    if new:
+        ax.figure.tight_layout()
+    return ax
