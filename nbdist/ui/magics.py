@@ -232,6 +232,8 @@ class DistMagics(NbdistMagics):
               help="comma-separated ranks, e.g. 0,2 (default: all)")
     @argument("--timeout", type=_positive(float), metavar="S", help="deadline for the cell (s)")
     @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
+    @argument("--trace", action="store_true",
+              help="record the collectives the cell issues; show a summary and a timeline")
     def dist(self, line: str = "", cell: Optional[str] = None) -> None:
         """Run Python code on the ranks: the cell (%%dist) or one statement (%dist statement).
 
@@ -248,7 +250,10 @@ class DistMagics(NbdistMagics):
                                  f"%dist print(rank)\n{usage(self.dist)}")
         else:
             args = self.parse(self.dist, line)
-        self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
+        if args.trace:
+            self.run_traced(cell, args.ranks, args.timeout, args.quiet)
+        else:
+            self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
 
     def run_on_ranks(self, source: str, ranks: Optional[Sequence[int]] = None,
                      timeout: Optional[float] = None, quiet: bool = False) -> None:
@@ -264,6 +269,29 @@ class DistMagics(NbdistMagics):
             for rank, value in zip(targets, values):
                 if value is not None:
                     self._show(rank, value)
+
+    def run_traced(self, source: str, ranks: Optional[Sequence[int]] = None,
+                   timeout: Optional[float] = None, quiet: bool = False) -> None:
+        """Like :meth:`run_on_ranks`, recording every collective the cell issues on the ranks
+        (``nbdist.bench.trace``); then show the per-op summary and the per-rank timeline."""
+        from ..bench import Trace
+
+        group = self.group
+        group.exec("import nbdist.bench as _nbdist_bench\n"
+                   "_nbdist_trace_cm = _nbdist_bench.trace()\n"
+                   "_nbdist_trace = _nbdist_trace_cm.__enter__()", ranks=ranks)
+        try:
+            self.run_on_ranks(source, ranks, timeout, quiet)
+        finally:
+            traces = group.exec("_nbdist_trace_cm.__exit__(None, None, None)\n_nbdist_trace",
+                                ranks=ranks)
+        merged = Trace.merge(traces)
+        summary = merged.summary()
+        publish_display_data({"text/plain": str(summary), "text/html": summary._repr_html_()})
+        if len(merged):
+            from .magics_tools import _show_figure
+
+            _show_figure(merged.plot())
 
     def _show(self, rank: int, value) -> None:
         data, metadata = self.shell.display_formatter.format(value)

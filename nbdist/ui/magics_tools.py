@@ -18,7 +18,9 @@ def _show_figure(drawn) -> None:
     import matplotlib.pyplot as plt
     from IPython.display import Image
 
-    fig = getattr(drawn, "figure", drawn)  # plot functions return a Figure or an Axes
+    while not hasattr(drawn, "savefig") and not hasattr(drawn, "figure"):
+        drawn = list(drawn)[0]  # several Axes side by side (a tuple or an array)
+    fig = drawn if hasattr(drawn, "savefig") else drawn.figure  # a Figure, or an Axes
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
     plt.close(fig)
@@ -76,4 +78,42 @@ class MemoryMagics(NbdistMagics):
         print(report.table())
         if not args.no_plot:
             _show_figure(report.plot())
+        return None
+
+
+@register_magics
+@magics_class
+class BenchMagics(NbdistMagics):
+    """``%dist_bench``: a collective benchmark sweep on the current group."""
+
+    @line_magic
+    @magic_arguments()
+    @argument("--ops", default="all_reduce,all_gather,broadcast,barrier", metavar="OP[,OP...]",
+              help="all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, "
+                   "barrier, send_recv")
+    @argument("--sizes", default="4K-16M", metavar="RANGE", help="e.g. 4K-64M or 1K,1M")
+    @argument("--iters", type=int, default=10, help="measured iterations per point (10)")
+    @argument("--warmup", type=int, default=3, help="unmeasured iterations first (3)")
+    @argument("--dtype", default="float32")
+    @argument("--no-limit", action="store_true", help="don't measure and draw the memcpy line")
+    @argument("--no-plot", action="store_true", help="table only")
+    def dist_bench(self, line: str = ""):
+        """Measure latency, algbw and busbw (nccl-tests' definitions) of collectives on the
+        current group; show the table and, inline, latency and bus bandwidth against size with
+        this machine's single-core memcpy bandwidth as the limit line."""
+        from .. import bench
+
+        args = self.parse(self.dist_bench, line)
+        group = self.group
+        try:
+            records = bench.collectives(group, ops=args.ops, sizes=args.sizes, dtype=args.dtype,
+                                        iters=args.iters, warmup=args.warmup)
+        except (ValueError, TypeError) as err:
+            raise UsageError(f"{err}\n{usage(self.dist_bench)}") from None
+        from IPython.display import HTML
+
+        display(HTML(records._repr_html_()))
+        if not args.no_plot:
+            limit = None if args.no_limit else bench.memcpy_bandwidth(group)
+            _show_figure(records.plot(limit=limit))
         return None

@@ -37,3 +37,28 @@ def test_dist_mem_usage_errors(shell, dist_group):
 def test_dist_mem_needs_a_group_to_measure(shell, no_group):
     with pytest.raises(UsageError, match="no nbdist group is running"):
         shell.run_line_magic("dist_mem", "--model mlp:2x8")
+
+
+def test_dist_bench_shows_a_table_and_plots(shell, dist_group):
+    with capture_output() as cap:
+        shell.run_line_magic("dist_bench", "--ops all_reduce,barrier --sizes 4K-16K --iters 2 --warmup 1")
+    html = "".join(o.data.get("text/html", "") for o in cap.outputs)
+    assert "all_reduce" in html and "barrier" in html
+    assert any("image/png" in o.data for o in cap.outputs)
+
+
+def test_dist_bench_usage_errors(shell, dist_group):
+    with pytest.raises(UsageError, match="usage: %dist_bench"):
+        shell.run_line_magic("dist_bench", "--ops nope --no-plot")
+    with pytest.raises(UsageError, match="usage: %dist_bench"):
+        shell.run_line_magic("dist_bench", "--sizes banana --no-plot")
+
+
+def test_dist_cell_trace_shows_the_collectives(shell, dist_group):
+    with capture_output() as cap:
+        shell.run_cell_magic("dist", "--trace -q",
+                             "t = torch.ones(1000)\nfor _ in range(3):\n    dist.all_reduce(t)\n")
+    text = "".join(o.data.get("text/plain", "") for o in cap.outputs)
+    assert "all_reduce" in text
+    assert any("image/png" in o.data for o in cap.outputs)
+    assert dist_group.exec("1") == [1, 1]
