@@ -67,3 +67,21 @@ def test_failures(tmp_path):
     assert "still running after 2 s" in text and "broken" in text
     assert "GroupInterrupted" in text or "interrupted ranks 0, 1" in text
     assert "usable again" in text
+
+
+def test_collectives(tmp_path):
+    nb, out = run_notebook("03_collectives.ipynb", tmp_path)
+    text = "\n".join(out)
+    assert "all_reduce" in text and "memcpy:" in text and "GB/s" in text
+    assert "(3, 'all_reduce')" in text
+    images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
+                 for o in c.outputs)
+    assert images >= 4  # sweep, comparison, trace timeline, %%dist --trace timeline
+
+
+def test_memory(tmp_path):
+    nb, out = run_notebook("04_memory.ipynb", tmp_path)
+    text = "\n".join(out)
+    for name in ("ddp", "zero1", "fsdp_grad_op", "fsdp2", "fairscale_oss", "fairscale_sharded"):
+        assert name in text
+    assert "120.0 GB" in text and "31.4 GB" in text and "16.6 GB" in text and "1.9 GB" in text
