@@ -73,6 +73,7 @@ def load_ipython_extension(shell) -> None:
     """
     from ..launcher import prewarm
     from . import magics_tools  # noqa: F401 -- registers %dist_mem / %dist_bench
+    from . import magics_ui  # noqa: F401 -- registers %dist_ui
 
     prewarm()
     for cls in _magic_classes:

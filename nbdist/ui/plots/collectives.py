@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import matplotlib.pyplot as plt
-from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,
+                               NullLocator)
 
 from ...bench.units import format_bytes, format_rate, format_time
 
@@ -67,6 +68,8 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     for label, points, _ in _lines((r for r in records if r["op"] == "barrier"), "time_s"):
         ax.axhline(points[0][1], linestyle="--", color="gray", label=label)
     ax.set_yscale("log")
+    # Ticks at 1, 2 and 5 per decade, so a range inside one decade still has labels.
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: format_time(v)))
     ax.yaxis.set_minor_formatter(NullFormatter())
     _size_axis(ax, sizes)

@@ -1,0 +1,181 @@
+"""What the panels share: the message area, button actions that report errors in the panel,
+controls bound to validated traits, figures as PNG and the backend choices of a device."""
+from __future__ import annotations
+
+import contextlib
+import html
+import io
+from typing import Callable, List, Optional, Tuple
+
+import ipywidgets as widgets
+from traitlets import TraitError, Unicode, observe
+
+from ...backends import backend_report, resolve_backend, resolve_device
+from ...errors import GroupClosedError
+from ...group import Group, current_group
+
+UNAVAILABLE = "✗ unavailable"
+"""What a backend's or a device's label in a dropdown ends with when it can't be used here."""
+
+
+class Panel(widgets.VBox):
+    """Base of nbdist's panels: a VBox with an ``error`` and a ``message`` line at the bottom.
+
+    Buttons call the panel's public methods through :meth:`action`, which shows an exception in
+    the panel (``error``) instead of letting it vanish into the kernel's log, and shows what the
+    call printed (notes such as the threads per rank) as ``message``.
+    """
+
+    error = Unicode("", help="the last action's error, shown in red in the panel ('' if none)")
+    message = Unicode("", help="the last action's outcome and notes, shown in the panel")
+
+    def __init__(self, group: Optional[Group] = None, **kwargs):
+        self._group = group
+        self._feedback = widgets.HTML(layout=widgets.Layout(width="100%"))
+        self._feedback.add_class("nbdist-feedback")
+        super().__init__(**kwargs)
+
+    # ---- the group ----------------------------------------------------------------------------
+    @property
+    def group(self) -> Group:
+        """The panel's group: the one it was given, else the current group (at call time)."""
+        group = self._group if self._group is not None else current_group()
+        if group is None or group.state == "stopped":
+            raise GroupClosedError("no nbdist group is running: start one with the launcher "
+                               "(nbdist.ui.launcher()), %dist_start or nbdist.start().")
+        return group
+
+    # ---- feedback -----------------------------------------------------------------------------
+    @observe("error", "message")
+    def _show_feedback(self, change=None) -> None:
+        parts = []
+        if self.error:
+            parts.append("<div class='nbdist-error' style='color:#b00020;white-space:pre-wrap;"
+                         "'>" + html.escape(self.error) + "</div>")
+        if self.message:
+            parts.append("<div class='nbdist-message' style='color:#555;white-space:pre-wrap'>"
+                         + html.escape(self.message) + "</div>")
+        self._feedback.value = "".join(parts)
+
+    def action(self, what: str, fn: Callable[[], Optional[str]]) -> bool:
+        """Run ``fn`` for a button: its return value and printed notes become ``message``, an
+        exception becomes ``error``; return whether it succeeded."""
+        self.error = ""
+        self.message = f"{what}…"
+        printed = io.StringIO()
+        try:
+            with contextlib.redirect_stdout(printed), contextlib.redirect_stderr(printed):
+                outcome = fn()
+        except Exception as err:  # noqa: BLE001 -- shown in the panel, never swallowed
+            self.message = printed.getvalue().strip()
+            self.error = f"{what} failed: {type(err).__name__}: {err}"
+            return False
+        self.message = "\n".join(t for t in (outcome or "", printed.getvalue().strip()) if t)
+        return True
+
+    def bind(self, control: widgets.ValueWidget, trait: str) -> None:
+        """Keep ``control.value`` and the trait ``trait`` equal. A value the trait's validation
+        refuses is shown as ``error`` and the control goes back to the trait's value."""
+
+        reverting = []
+
+        def to_trait(change):
+            if reverting:
+                return
+            try:
+                setattr(self, trait, change["new"])
+            except TraitError as err:
+                self.error = str(err)
+                reverting.append(True)
+                try:
+                    control.value = getattr(self, trait)
+                finally:
+                    reverting.clear()
+            else:
+                self.error = ""
+
+        def to_control(change):
+            if control.value != change["new"]:
+                control.value = change["new"]
+
+        control.observe(to_trait, "value")
+        self.observe(to_control, trait)
+
+    def close(self) -> None:
+        """Close the panel and every widget in it."""
+        for child in _descendants(self):
+            child.close()
+        super().close()
+
+
+def _descendants(box: widgets.Box) -> List[widgets.Widget]:
+    out = []
+    for child in box.children:
+        if isinstance(child, widgets.Box):
+            out.extend(_descendants(child))
+        out.append(child)
+    return out
+
+
+def backend_options(device: str) -> Tuple[List[Tuple[str, str]], List[str]]:
+    """Dropdown options ``(label, name)`` for the backends on ``device``, and one line per
+    unusable backend with the reason (from :func:`nbdist.backends.backend_report`)."""
+    try:
+        auto = resolve_backend("auto", device).backend
+    except ValueError:
+        auto = None
+    options = [(f"auto → {auto}" if auto else "auto", "auto")]
+    reasons = []
+    builtin = {"gloo", "nccl", "mpi", "ucc", "xccl"}
+    for name, usable, reason in backend_report(device):
+        custom = "" if name in builtin else " (custom)"
+        options.append((f"{name}{custom}" if usable else f"{name}{custom} {UNAVAILABLE}", name))
+        if not usable:
+            reasons.append(f"{name}: {reason}")
+    return options, reasons
+
+
+def device_options() -> Tuple[List[Tuple[str, str]], List[str]]:
+    """Dropdown options for the devices (cpu; cuda labelled unavailable where it is) and the
+    reasons for the unusable ones."""
+    options, reasons = [], []
+    for device in ("cpu", "cuda"):
+        try:
+            resolve_device(device)
+        except ValueError as err:
+            options.append((f"{device} {UNAVAILABLE}", device))
+            reasons.append(f"{device}: {err}")
+        else:
+            options.append((device, device))
+    return options, reasons
+
+
+def reasons_html(reasons: List[str], what: str = "backends") -> str:
+    """The "backends not available here" note under a dropdown, one reason per line."""
+    if not reasons:
+        return ""
+    items = "".join(f"<li>{html.escape(r)}</li>" for r in reasons)
+    return ("<details class='nbdist-unavailable' style='font-size:smaller;color:#666'>"
+            f"<summary>{what} not available here ({len(reasons)})</summary><ul>{items}</ul>"
+            "</details>")
+
+
+def figure_png(draw: Callable, figsize: Tuple[float, float], ncols: int = 1) -> bytes:
+    """Draw with ``draw(ax)`` on a new figure (outside pyplot: nothing is shown twice by the
+    inline backend) and return it as PNG bytes."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=figsize, dpi=90)
+    axes = fig.subplots(1, ncols)
+    draw(axes)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", bbox_inches="tight")
+    return buf.getvalue()
+
+
+def image() -> widgets.Image:
+    """An empty PNG image widget for a figure."""
+    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%",
+                                                            align_self="flex-start"))
+    img.add_class("nbdist-figure")
+    return img
