@@ -85,3 +85,13 @@ def test_memory(tmp_path):
     for name in ("ddp", "zero1", "fsdp_grad_op", "fsdp2", "fairscale_oss", "fairscale_sharded"):
         assert name in text
     assert "120.0 GB" in text and "31.4 GB" in text and "16.6 GB" in text and "1.9 GB" in text
+
+
+def test_lightning(tmp_path):
+    nb, out = run_notebook("05_lightning.ipynb", tmp_path)
+    text = "\n".join(out)
+    assert "(0, 'gloo', 12" in text  # 3 epochs x 4 batches of 8 (32 samples per rank)
+    assert "loss in the kernel after training" in text
+    assert "('nbstore', 'fsdp2')" in text and "(0, 'nbstore'" in text
+    assert "NbdistEnvironment" in text
+    assert "ddp_spawn" in text
