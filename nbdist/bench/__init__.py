@@ -1,4 +1,4 @@
-"""Collective benchmarks and traces: what all_reduce & co. cost on a group, and in your own code.
+"""Collective benchmarks and traces: what all_reduce & co. cost on a group, and in your own code::
 
     import nbdist, nbdist.bench
     g = nbdist.start(4, backend="gloo")
