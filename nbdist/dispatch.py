@@ -13,6 +13,7 @@ and turns whatever happens meanwhile into one clear outcome:
 from __future__ import annotations
 
 import contextvars
+import queue
 import time
 from typing import Any, Dict, List, Optional
 
@@ -39,44 +40,57 @@ class CallEngine:
                 seq = next(self._seq)
                 msg = transport.encode((kind, seq, payload))
                 self._pump.context = contextvars.copy_context()
-                now = time.time()
-                for r in targets:
-                    rank = self._ranks[r]
-                    rank.state, rank.busy_with, rank.since = "busy", what, now
-                    try:
-                        freed = self._freed.get(r)
-                        if freed:
-                            paths, freed[:] = list(freed), []
-                            rank.channel.send_bytes(transport.encode(("free", 0, paths)))
-                        rank.channel.send_bytes(msg)
-                    except OSError:
-                        pass  # the sentinel tells the rest
                 self._state = "busy"
-                replies = self._collect(targets, seq, timeout)
+                try:
+                    replies = self._collect(targets, seq, timeout, msg, what)
+                except (DistTimeoutError, GroupInterrupted, RankDiedError):
+                    raise
+                except BaseException:
+                    self._break()  # something unforeseen mid-call: no channel can be trusted
+                    raise
                 self._state = "ready"
                 return self._decode(replies)
         finally:
             serialize.remove_segments(segments)
 
-    def _collect(self, targets: List[int], seq: int, timeout: Optional[float]) -> Dict[int, tuple]:
-        pending, replies, dead = set(targets), {}, set()
+    def _send(self, targets: List[int], msg: bytes, what: str, pending: set) -> None:
+        now = time.time()
+        for r in targets:
+            rank = self._ranks[r]
+            rank.state, rank.busy_with, rank.since = "busy", what, now
+            pending.add(r)  # before sending: an interrupted send leaves a torn channel
+            try:
+                freed = self._take_freed(r)
+                if freed:
+                    rank.channel.send_bytes(transport.encode(("free", 0, freed)))
+                rank.channel.send_bytes(msg)
+            except OSError:
+                pass  # the sentinel (or EOF) tells the rest
+
+    def _collect(self, targets: List[int], seq: int, timeout: Optional[float], msg: bytes,
+                 what: str) -> Dict[int, tuple]:
+        pending: set = set()
+        replies: Dict[int, tuple] = {}
+        dead: set = set()
         deadline = None if timeout is None else time.monotonic() + timeout
         try:
+            self._send(targets, msg, what, pending)
             while pending and not dead:
                 remaining = None if deadline is None else deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     waiting = sorted(pending)
-                    self._stop_pending(pending, replies, seq)
+                    killed = self._stop_pending(pending, replies, seq)
                     raise DistTimeoutError(
                         f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} "
-                        f"still running after {timeout:g} s; {self._after_stop_text()}", waiting)
+                        f"still running after {timeout:g} s; {self._after_stop_text(killed)}",
+                        waiting)
                 self._poll(remaining, pending, replies, dead, seq)
         except KeyboardInterrupt:
             waiting = set(pending)
             killed = self._stop_pending(pending, replies, seq)
             raise GroupInterrupted(
                 f"interrupted rank{'s' if len(waiting) > 1 else ''} "
-                f"{', '.join(map(str, sorted(waiting)))}; {self._after_stop_text()}",
+                f"{', '.join(map(str, sorted(waiting)))}; {self._after_stop_text(killed)}",
                 sorted(waiting - set(killed)), killed) from None
         if dead:
             self._on_death(dead, pending, replies, seq)
@@ -86,32 +100,71 @@ class CallEngine:
         for key, _ in self._sel.select(timeout):
             what, r = key.data
             rank = self._ranks[r]
+            if r in dead:
+                continue
             if what == "dead":
                 dead.add(r)
+                self._forget(r)
                 continue
             try:
-                status, s, body = rank.channel.recv()
-            except (ConnectionError, OSError):
+                status, s, body, paths = rank.channel.recv()
+            except Exception:  # noqa: BLE001 -- EOF, reset, or a corrupt stream: the rank is lost
                 dead.add(r)
+                self._forget(r)
                 continue
             if s == seq and r in pending:
                 pending.discard(r)
-                replies[r] = (status, body)
+                replies[r] = (status, body, paths)
                 rank.state, rank.since = "idle", None
+            else:
+                self._release(r, paths)  # a late reply nobody will read
+
+    def _forget(self, r: int) -> None:
+        """Stop watching rank ``r`` (it died, or its channel is torn): no busy loop on its fds."""
+        rank = self._ranks[r]
+        for obj in (rank.channel.sock, rank.process.sentinel):
+            if obj is not None:
+                try:
+                    self._sel.unregister(obj)
+                except (KeyError, ValueError, OSError):
+                    pass
+
+    def _take_freed(self, r: int) -> List[str]:
+        freed, out = self._freed.get(r), []
+        while freed is not None:
+            try:
+                out.append(freed.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def _release(self, r: int, paths) -> None:
+        """Give pooled result segments back to rank ``r`` (their reply was never unpickled)."""
+        for path in paths or ():
+            self._freed[r].put(path)
 
     def _stop_pending(self, pending: set, replies: dict, seq: int) -> List[int]:
-        """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks."""
-        for r in pending:
+        """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks.
+
+        A rank whose channel holds half a message (the interrupt hit mid-send or mid-read) cannot
+        be talked to any more: it is killed at once. A second interrupt cuts the grace short.
+        """
+        dead = {r for r in pending if self._ranks[r].channel.torn}
+        for r in dead:
+            self._forget(r)
+        for r in pending - dead:
             self._pump.send(r, b"I")  # the worker's watchdog delivers SIGINT to its main thread
         deadline = time.monotonic() + self._opts["grace"]
-        dead: set = set()
-        while pending and time.monotonic() < deadline:
-            self._poll(max(0.0, deadline - time.monotonic()), pending, replies, dead, seq)
-            pending -= dead
+        try:
+            while pending - dead and time.monotonic() < deadline:
+                self._poll(max(0.0, deadline - time.monotonic()), pending, replies, dead, seq)
+        except KeyboardInterrupt:
+            pass  # interrupted again: stop waiting, kill what is left
+        for r, (_, _, paths) in replies.items():
+            self._release(r, paths)  # the caller raises: these results are dropped
         killed = sorted(pending | dead)
-        self._killed = killed
         if killed:
-            for r in pending:
+            for r in killed:
                 self._ranks[r].process.kill()
             self._break()
         for r in self._ranks:
@@ -120,10 +173,9 @@ class CallEngine:
         self._state = "broken" if killed else "ready"
         return killed
 
-    def _after_stop_text(self) -> str:
-        killed = getattr(self, "_killed", [])
+    def _after_stop_text(self, killed: List[int]) -> str:
         if not killed:
-            return "they stopped on SIGINT; the group is still usable."
+            return "stopped on SIGINT; the group is still usable."
         how = "it restarts on the next call (auto_restart)" if self._opts["auto_restart"] else \
             "call restart() to bring it back"
         return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not "
@@ -162,7 +214,7 @@ class CallEngine:
         results: List[Any] = []
         failures: Dict[int, RemoteFailure] = {}
         for r in sorted(replies):
-            status, body = replies[r]
+            status, body, _ = replies[r]
             if status == "ok":
                 try:
                     results.append(serialize.loads(body))

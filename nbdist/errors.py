@@ -101,7 +101,7 @@ class RemoteFailure:
 class RankDiedError(NbdistError):
     """A worker process died: ``deaths`` maps rank to ``(exitcode, stderr_tail)``."""
 
-    def __init__(self, deaths: Dict[int, tuple], detail: str = ""):
+    def __init__(self, deaths: Dict[int, tuple], detail: str = "", advice: str = ""):
         self.deaths = dict(sorted(deaths.items()))
         parts = []
         for rank, (code, tail) in self.deaths.items():
@@ -112,8 +112,8 @@ class RankDiedError(NbdistError):
         for rank, (code, tail) in self.deaths.items():
             if tail:
                 msg += f"\n--- rank {rank} stderr (last lines) ---\n{tail.rstrip()}"
-        msg += ("\nThe group was shut down; call restart() to bring it back "
-                "(per-rank variables are lost).")
+        msg += "\n" + (advice or "The group was shut down; call restart() to bring it back "
+                                  "(per-rank variables are lost).")
         super().__init__(msg)
 
     @property

@@ -12,9 +12,11 @@ from __future__ import annotations
 import atexit
 import itertools
 import os
+import queue
 import secrets
 import selectors
 import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -182,7 +184,8 @@ class Group(CallEngine):
         _say_once(self._choice.note)
         threads = o["threads"]
         cores = os.cpu_count() or 1
-        if threads is None and "OMP_NUM_THREADS" not in os.environ and o["world_size"] > 1:
+        if threads is None and "OMP_NUM_THREADS" not in os.environ and \
+                "OMP_NUM_THREADS" not in (o["env"] or {}) and o["world_size"] > 1:
             threads = max(1, cores // o["world_size"])
             _say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
                       f"({cores} cores shared by {o['world_size']} ranks); pass threads= to change.")
@@ -204,7 +207,8 @@ class Group(CallEngine):
             self._cleanup()
             self._state = "broken"
             raise
-        self._freed: Dict[int, List[str]] = {r.rank: [] for r in self._ranks}
+        self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
+                                                            for r in self._ranks}
         shmpool.set_release_hook(self.id, self._segment_freed)
         self._sel = selectors.DefaultSelector()
         for r in self._ranks:
@@ -233,6 +237,7 @@ class Group(CallEngine):
                       "custom_backends": remote.custom_backend_blobs(self._choice),
                       "env": dict(o["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
                                                       if o["debug"] else {}))}
+            self._pump.on_eof = lambda rank: self._remote_gone(rank)
             ranks, self._store = remote.attach_workers(
                 listener, key, o["world_size"], config, self._pump,
                 float(rm.get("join_timeout", 600)), rm.get("progress", True))
@@ -241,9 +246,16 @@ class Group(CallEngine):
             listener.close()
 
     def _segment_freed(self, path: str) -> None:
-        # Runs wherever the last tensor on a pooled segment dies; list.append is thread-safe.
+        # Runs wherever the last tensor on a pooled segment dies (any thread, or the GC).
         rank = int(os.path.basename(path).split("-")[2][1:])
-        self._freed.get(rank, []).append(path)
+        freed = self._freed.get(rank)
+        if freed is not None:
+            freed.put(path)  # SimpleQueue.put is safe from finalizers and any thread
+
+    def _remote_gone(self, rank: int) -> None:
+        for r in self._ranks:
+            if r.rank == rank and hasattr(r.process, "streams_closed"):
+                r.process.streams_closed()
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
         from .output import default_sink
@@ -296,9 +308,9 @@ class Group(CallEngine):
             if r.exitcode is None and r.channel is not None and r.state == "idle":
                 try:
                     r.channel.send_bytes(stop_msg)
-                    expect = getattr(r.process, "mark_gone", None)
-                    if expect is not None:
-                        r.process._code = 0  # a clean exit is what we asked for
+                    expect_exit = getattr(r.process, "expect_exit", None)  # remote ranks
+                    if expect_exit is not None:
+                        expect_exit()
                 except OSError:
                     pass
             elif r.exitcode is None:
@@ -431,7 +443,8 @@ class Group(CallEngine):
             state = r.state
             if r.exitcode is not None and state not in ("stopped",):
                 state = "dead"
-            elif state not in ("stopped", "dead"):
+            elif state not in ("stopped", "dead") and \
+                    info.get("host") in (None, socket.gethostname()):  # RSS only for local pids
                 try:
                     rss = psutil.Process(r.pid).memory_info().rss
                 except (psutil.Error, TypeError):

@@ -212,7 +212,8 @@ def _raise_start_failure(ranks: List[Rank], failures: Dict[int, RemoteFailure],
         for idx in dead:
             pump.wait_eof(idx, 1.0)
             dead[idx] = (dead[idx][0], pump.tail(idx))
-        raise RankDiedError(dead, "while starting (before torch.distributed was initialised).")
+        raise RankDiedError(dead, "while starting (before torch.distributed was initialised).",
+                            "Nothing was left running; fix the cause and start the group again.")
     if failures:
         err = RemoteError(failures)
         absent = [r for r in ranks if r.state != "idle" and r.rank not in failures]

@@ -66,6 +66,10 @@ class OutputPump:
                         return False
         return False
 
+    def has(self, rank: int, stream: str) -> bool:
+        """True if ``stream`` of ``rank`` is already being relayed (or was, until EOF)."""
+        return (rank, stream) in self._eof
+
     def eof_seen(self, rank: int) -> bool:
         """True once both streams of ``rank`` have closed."""
         events = [self._eof.get((rank, s)) for s in ("stdout", "stderr")]

@@ -45,10 +45,12 @@ class RemoteProcess:
         """``None`` while the rank is connected, else 0 or ``"lost"``."""
         return self._code if self._gone.is_set() else None
 
-    def mark_gone(self, clean: bool = False) -> None:
-        """Record that the rank's streams closed (``clean``: after a stop request)."""
-        if clean:
-            self._code = 0
+    def expect_exit(self) -> None:
+        """We asked the rank to stop: its streams closing then means exit code 0."""
+        self._code = 0
+
+    def streams_closed(self) -> None:
+        """The rank's streams reached EOF: it is gone."""
         self._gone.set()
 
     def kill(self) -> None:
@@ -57,7 +59,7 @@ class RemoteProcess:
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until the rank's streams are closed."""
-        self._pump.wait_eof(self.rank, timeout or 0.0)
+        self._pump.wait_eof(self.rank, 3600.0 if timeout is None else timeout)
         if self._pump.eof_seen(self.rank):
             self._gone.set()
 
@@ -160,6 +162,11 @@ def _accept_remote(listener, key, world_size, ranks, pump, sel, config, bar) -> 
                   file=sys.stderr)
             raise transport.AuthenticationError("world size mismatch")
     except (transport.AuthenticationError, KeyError, ValueError, TypeError):
+        conn.close()
+        return
+    if (role == "control" and rank in ranks) or (role != "control" and pump.has(rank, role)):
+        print(f"nbdist: refused a second rank {rank} ({role}) from {hello.get('host')}: that "
+              "rank has already joined (was the launcher command run twice?).", file=sys.stderr)
         conn.close()
         return
     if role != "control":

@@ -77,6 +77,7 @@ class Pickler(cloudpickle.Pickler):
         self.private = private
         self.unlink = unlink
         self.created: List[str] = []
+        self.pooled: List[str] = []
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
@@ -99,6 +100,7 @@ class Pickler(cloudpickle.Pickler):
             from .shmpool import rebuild_pooled
 
             path, nbytes = self.pool.store(data)
+            self.pooled.append(path)
             return (rebuild_pooled, (path, nbytes, data.dtype, tuple(data.shape), requires_grad,
                                      is_param))
         path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
@@ -122,9 +124,11 @@ def _write_all(fd: int, view: memoryview) -> None:
 
 def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
           unlink: bool = True, pool=None):
-    """Pickle ``obj`` by value; returns ``(bytes, created_segment_paths)``.
+    """Pickle ``obj`` by value; returns ``(bytes, segment_paths)`` (files made, or pooled segments
+    lent, for the tensors in ``obj``).
 
-    On failure every segment already written is removed again before the error propagates.
+    On failure every segment already written is removed (or given back to ``pool``) before the
+    error propagates.
     """
     buf = io.BytesIO()
     pickler = Pickler(buf, prefix, private, unlink, pool)
@@ -132,8 +136,10 @@ def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
         pickler.dump(obj)
     except BaseException:
         remove_segments(pickler.created)
+        if pool is not None:
+            pool.release(pickler.pooled)
         raise
-    return buf.getvalue(), pickler.created
+    return buf.getvalue(), pickler.created + pickler.pooled
 
 
 def loads(data: bytes) -> Any:

@@ -16,6 +16,7 @@ import pickle
 import socket
 import struct
 import threading
+import time
 from hashlib import sha256
 from typing import Any, Dict, Optional, Tuple
 
@@ -40,12 +41,18 @@ def _mac(key: bytes, label: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, label + nonce, sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int) -> bytes:
-    """Read exactly ``n`` bytes or raise ``ConnectionError`` on EOF."""
+def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+    """Read exactly ``n`` bytes or raise ``ConnectionError`` on EOF (``socket.timeout`` once the
+    ``time.monotonic()`` ``deadline`` has passed, however slowly the peer trickles bytes)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
     while got < n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout("handshake deadline passed")
+            sock.settimeout(left)
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("connection closed by peer")
@@ -55,22 +62,25 @@ def recv_exact(sock: socket.socket, n: int) -> bytes:
 
 def server_handshake(sock: socket.socket, key: bytes,
                      timeout: float = HANDSHAKE_TIMEOUT) -> Dict[str, Any]:
-    """Authenticate a freshly accepted connection; return the peer's hello (a small JSON dict)."""
+    """Authenticate a freshly accepted connection; return the peer's hello (a small JSON dict).
+
+    The whole exchange must finish within ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
         nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + nonce)
-        reply = recv_exact(sock, len(MAGIC) + DIGEST + NONCE)
+        reply = recv_exact(sock, len(MAGIC) + DIGEST + NONCE, deadline)
         if reply[:len(MAGIC)] != MAGIC:
             raise AuthenticationError("peer does not speak the nbdist protocol")
         mac, client_nonce = reply[len(MAGIC):len(MAGIC) + DIGEST], reply[len(MAGIC) + DIGEST:]
         if not hmac.compare_digest(mac, _mac(key, b"client", nonce)):
             raise AuthenticationError("peer does not hold the group key")
         sock.sendall(_mac(key, b"server", client_nonce))
-        (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size))
+        (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
         if size > _MAX_HELLO:
             raise AuthenticationError("hello message too large")
-        hello = json.loads(recv_exact(sock, size).decode("utf-8"))
+        hello = json.loads(recv_exact(sock, size, deadline).decode("utf-8"))
         if not isinstance(hello, dict):
             raise AuthenticationError("malformed hello")
     except (OSError, ValueError) as err:
@@ -82,15 +92,16 @@ def server_handshake(sock: socket.socket, key: bytes,
 def client_handshake(sock: socket.socket, key: bytes, hello: Dict[str, Any],
                      timeout: float = HANDSHAKE_TIMEOUT) -> None:
     """Prove we hold ``key``, check the server does too, then send ``hello``."""
+    deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
     try:
-        head = recv_exact(sock, len(MAGIC) + NONCE)
+        head = recv_exact(sock, len(MAGIC) + NONCE, deadline)
         if head[:len(MAGIC)] != MAGIC:
             raise AuthenticationError("server does not speak the nbdist protocol")
         my_nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + _mac(key, b"client", head[len(MAGIC):]) + my_nonce)
         try:
-            answer = recv_exact(sock, DIGEST)
+            answer = recv_exact(sock, DIGEST, deadline)
         except ConnectionError:
             raise AuthenticationError("the controller refused this connection: wrong group key "
                                       "(check --key-file)") from None
@@ -124,6 +135,7 @@ class Channel:
         self.sock = sock
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = threading.Lock()
+        self.torn = False  # True while a message is half sent or half read (an interrupt hit)
 
     def fileno(self) -> int:
         """The socket's file descriptor (so channels can be passed to ``select``)."""
@@ -132,16 +144,21 @@ class Channel:
     def send_bytes(self, data: bytes) -> None:
         """Send one framed message whose body is ``data``."""
         with self._send_lock:
+            self.torn = True
             if len(data) < 65536:
                 self.sock.sendall(_HEADER.pack(len(data)) + data)
             else:
                 self.sock.sendall(_HEADER.pack(len(data)))
                 self.sock.sendall(data)
+            self.torn = False
 
     def recv_bytes(self) -> bytes:
         """Receive one framed message body (raises ``ConnectionError`` on EOF)."""
+        self.torn = True
         (size,) = _HEADER.unpack(recv_exact(self.sock, _HEADER.size))
-        return recv_exact(self.sock, size)
+        data = recv_exact(self.sock, size)
+        self.torn = False
+        return data
 
     def send(self, obj: Any) -> None:
         """Pickle ``obj`` and send it."""
@@ -162,12 +179,3 @@ class Channel:
 def encode(obj: Any) -> bytes:
     """Pickle a protocol message once, to send the same bytes to several ranks."""
     return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-
-
-def maybe_close(sock: Optional[socket.socket]) -> None:
-    """Close ``sock`` if it is not ``None``, ignoring errors."""
-    if sock is not None:
-        try:
-            sock.close()
-        except OSError:
-            pass

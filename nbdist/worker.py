@@ -153,17 +153,16 @@ class _Worker:
     def _with_namespace(self, fn):
         """A notebook function sees the rank's namespace for names it did not bring along.
 
-        cloudpickle ships the globals a ``__main__`` function uses that existed in the kernel;
-        other names (e.g. a ``model`` made with ``exec`` on the ranks) resolve here instead.
+        cloudpickle ships the globals a ``__main__`` function uses that existed in the kernel, in
+        one dict shared by the functions of that payload (helpers it calls included). The rank's
+        names are added to that dict where the kernel had none (e.g. a ``model`` made with
+        ``exec`` on the ranks). Assignments to globals inside the function stay in that dict.
         """
-        if not isinstance(fn, types.FunctionType) or fn.__module__ != "__main__":
-            return fn
-        scope = dict(self.ns)
-        scope.update(fn.__globals__)
-        bound = types.FunctionType(fn.__code__, scope, fn.__name__, fn.__defaults__,
-                                   fn.__closure__)
-        bound.__kwdefaults__ = fn.__kwdefaults__
-        return bound
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__":
+            scope = fn.__globals__
+            for name, value in self.ns.items():
+                scope.setdefault(name, value)
+        return fn
 
     def do_exec(self, payload):
         source, filename = payload
@@ -210,16 +209,16 @@ class _Worker:
             finally:
                 signal.signal(signal.SIGINT, _ignore_sigint)
         except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
-            return transport.encode(("err", seq, _failure(exc, self.rank)))
+            return transport.encode(("err", seq, _failure(exc, self.rank), []))
         try:
-            data, _ = serialize.dumps(value, None, pool=self.pool)
+            data, paths = serialize.dumps(value, None, pool=self.pool)
         except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file
             text = (f"the result on rank {self.rank} ({type(value).__module__}."
                     f"{type(value).__qualname__}) could not be pickled to send it back: "
                     f"{type(exc).__name__}: {exc}. Return something picklable, or keep the "
                     "object on the rank (assign it in exec) and pull what you need.")
-            return transport.encode(("err", seq, _failure(exc, self.rank, text)))
-        return transport.encode(("ok", seq, data))
+            return transport.encode(("err", seq, _failure(exc, self.rank, text), []))
+        return transport.encode(("ok", seq, data, paths))
 
 
 def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:

@@ -234,3 +234,36 @@ def test_controller_and_ranks_on_different_addresses(netns, tmp_path):
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def test_a_rank_joining_twice_is_refused_and_attach_keeps_its_deadline(tmp_path):
+    from nbdist import transport
+
+    port = _free_port()
+    key_file = str(tmp_path / "key.hex")
+    box = {}
+
+    def attach():
+        try:
+            box["g"] = nbdist.attach(1, listen=f"127.0.0.1:{port}", key_file=key_file,
+                                     join_timeout=5, progress=False, backend="gloo", device="cpu")
+        except BaseException as err:  # noqa: BLE001 -- checked below
+            box["err"] = err
+
+    t = threading.Thread(target=attach)
+    t.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(key_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)
+    key = bytes.fromhex(open(key_file).read())
+    hello = {"rank": 0, "role": "control", "pid": 1, "world_size": 1}
+    first = transport.Channel(transport.connect(("127.0.0.1", port), key, hello))
+    assert first.recv()[0] == "config"
+    second = transport.Channel(transport.connect(("127.0.0.1", port), key, hello))
+    with pytest.raises(ConnectionError):
+        second.recv()  # refused: rank 0 has already joined
+    t.join(30)
+    first.close()
+    second.close()
+    assert isinstance(box.get("err"), nbdist.DistTimeoutError)  # first never said ready: 5 s

@@ -182,3 +182,16 @@ def test_tensor_roundtrip_keeps_dtype_and_shape(g):
         back = g.pull("t")[1]
         assert back.dtype == dtype and back.shape == t.shape and torch.equal(back, t)
     _still_usable(g)
+
+
+def test_a_failed_result_gives_its_shared_memory_back(g):
+    import glob
+
+    def segments():
+        return glob.glob(f"/dev/shm/nbdist-{g.id}-r0-*")
+
+    for _ in range(3):
+        with pytest.raises(nbdist.RemoteError, match="could not be pickled"):
+            g.exec("(torch.ones(1_000_000), (i for i in range(3)))", ranks=[0])
+    assert len(segments()) <= 1  # the same pooled segment each time, not one per failure
+    _still_usable(g)

@@ -241,3 +241,16 @@ def test_progress_bar_redraws_show_only_the_last_state():
     with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines())) as g:
         g.exec("import sys\nsys.stderr.write('step 1/3\\rstep 2/3\\rstep 3/3\\n')", ranks=[0])
     assert lines == ["step 3/3"]
+
+
+def test_helpers_of_notebook_functions_see_the_rank_namespace_too(shared_group):
+    shared_group.exec("model_name = f'model on {rank}'")
+    fn = notebook_function("def helper():\n    return model_name\n"
+                           "def direct():\n    return helper()\n", "direct")
+    assert shared_group.run(fn) == ["model on 0", "model on 1"]
+
+
+def test_env_threads_setting_is_respected():
+    with nbdist.start(2, env={"OMP_NUM_THREADS": "2"}) as g:
+        assert g.run(lambda: (os.environ["OMP_NUM_THREADS"], torch.get_num_threads())) == \
+            [("2", 2), ("2", 2)]
