@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import platform
 import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
@@ -65,6 +66,8 @@ class BackendChoice:
 
 
 _registry: Dict[str, CustomBackend] = {}
+# nbdist's own backend for ranks on one host (nbdist/shm), selectable by name like any custom one.
+_registry["nbdist_shm"] = CustomBackend("nbdist_shm", "nbdist.shm:create", ("cpu",))
 
 
 def register_backend(name: str, creator: Union[str, Callable], devices: Optional[Sequence[str]] = None,
@@ -163,6 +166,9 @@ def _unavailable_reason(name: str, device: str) -> Optional[str]:
 
     if not dist.is_available():
         return "this torch build has no torch.distributed"
+    if name == "nbdist_shm" and name in _registry and not (
+            sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")):
+        return "nbdist_shm needs Linux on x86-64 (shared memory, futexes, x86 memory ordering)"
     if name in _registry:
         entry = _registry[name]
         if device not in entry.devices:

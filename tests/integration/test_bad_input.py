@@ -190,8 +190,9 @@ def test_a_failed_result_gives_its_shared_memory_back(g):
     def segments():
         return glob.glob(f"/dev/shm/nbdist-{g.id}-r0-*")
 
+    before = len(segments())
     for _ in range(3):
         with pytest.raises(nbdist.RemoteError, match="could not be pickled"):
             g.exec("(torch.ones(1_000_000), (i for i in range(3)))", ranks=[0])
-    assert len(segments()) <= 1  # the same pooled segment each time, not one per failure
+    assert len(segments()) <= before + 1  # one pooled segment reused, not one per failure
     _still_usable(g)

@@ -55,7 +55,8 @@ def test_backends(tmp_path):
     assert "auto picks gloo for cpu" in text
     assert "nccl: backend 'nccl' cannot be used" in text and "use backend='gloo'" in text
     assert "unknown backend 'nope'" in text
-    assert "('nbstore', [3.0, 3.0, 3.0])" in text and "'gloo'" in out[-2]
+    assert "('nbstore', [3.0, 3.0, 3.0])" in text
+    assert "('nbdist_shm', [3.0, 3.0, 3.0, 3.0])" in text and "nbdist_shm  4194304 B" in text
 
 
 def test_failures(tmp_path):

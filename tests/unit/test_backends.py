@@ -79,7 +79,7 @@ def test_env_var_auto_means_auto(monkeypatch):
 
 
 def test_available_backends_and_report():
-    assert nbdist.available_backends() == ["gloo"]
+    assert nbdist.available_backends() == ["gloo", "nbdist_shm"]
     report = {name: (ok, why) for name, ok, why in backends.backend_report("cpu")}
     assert report["gloo"] == (True, "available") and report["nccl"][0] is False
 
@@ -105,3 +105,10 @@ def test_core_imports_no_ui_libraries():
             "print(bad); sys.exit(1 if bad else 0)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_nbdist_shm_is_registered_by_default_and_refused_off_linux_x86(monkeypatch):
+    assert nbdist.resolve_backend("nbdist_shm", "cpu").backend == "nbdist_shm"
+    monkeypatch.setattr(backends.platform, "machine", lambda: "arm64")
+    with pytest.raises(nbdist.BackendError, match="nbdist_shm needs Linux on x86-64"):
+        nbdist.resolve_backend("nbdist_shm", "cpu")
