@@ -36,6 +36,32 @@ started_ids: set = set()  # ids of every group started in this process (leak che
 _current: Optional["Group"] = None
 
 
+def _sweep_orphans() -> None:
+    """Remove what groups of callers that were killed (SIGKILL: no cleanup ran) left behind:
+    their temp dir ``nbdist-<id>-p<pid>-*`` and their shared-memory segments ``nbdist-<id>-*``."""
+    import glob
+
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*-p*-*")):
+        parts = os.path.basename(path).split("-")
+        if len(parts) < 4 or not parts[2][1:].isdigit():
+            continue
+        pid = int(parts[2][1:])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        serialize.remove_segments(serialize.leftover_segments(parts[1]))
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def current_group() -> Optional["Group"]:
     """The group the magics and widgets use, or ``None``.
 
@@ -193,7 +219,8 @@ class Group(CallEngine):
         env.update(o["env"] or {})
         if o["debug"]:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-")
+        _sweep_orphans()
+        self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-p{os.getpid()}-")
         self._pump = OutputPump(self._sink)
         try:
             if self._remote is not None:
@@ -280,12 +307,21 @@ class Group(CallEngine):
             self._launch()
         return self
 
-    def stop(self) -> None:
-        """Stop every worker (process groups destroyed first) and release all resources."""
-        with self._lock:
+    def stop(self, timeout: Optional[float] = None) -> None:
+        """Stop every worker (process groups destroyed first) and release all resources.
+
+        ``timeout``: how long to wait for a call running in another thread to finish; after it,
+        the workers are killed instead (interpreter exit uses 5 s, so it never hangs).
+        """
+        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
+            launcher.kill_all(self._ranks)  # a call is stuck in another thread: no waiting
+            return
+        try:
             if self._state != "stopped":
                 self._shutdown()
                 self._state = "stopped"
+        finally:
+            self._lock.release()
 
     def __enter__(self) -> "Group":
         return self
@@ -498,7 +534,7 @@ def stop_all() -> None:
     """Stop every group still running in this process (also runs at interpreter exit)."""
     for group in list(_live):
         try:
-            group.stop()
+            group.stop(timeout=5.0)
         except Exception:  # noqa: BLE001 -- exiting: stop the others regardless
             pass
 

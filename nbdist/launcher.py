@@ -108,8 +108,8 @@ class Rank:
         """Free the process handle's pipes once the worker has exited (keeps its exit code)."""
         if not self._released and self.process.exitcode is not None:
             self._exitcode = self.process.exitcode
+            self._released = True  # before close(): status() may read exitcode from a thread
             self.process.close()
-            self._released = True
 
 
 def clean_environment(env: Dict[str, str]) -> Dict[str, str]:

@@ -111,6 +111,8 @@ class OutputPump:
                 if self._closed:
                     return
                 continue
+            if self._closed:
+                return
             for key, _ in events:
                 if key.data is None:
                     try:

@@ -238,3 +238,27 @@ def test_two_callers_on_one_machine_do_not_interfere():
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_leftovers_of_a_killed_caller_are_swept_by_the_next_start():
+    script = textwrap.dedent("""
+        import nbdist, time
+        g = nbdist.start(2)
+        t = g.exec("torch.ones(1_000_000)")  # pooled result segments stay with the workers
+        print(g.id, flush=True)
+        time.sleep(600)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        gid = proc.stdout.readline().strip()
+        assert glob.glob(f"/dev/shm/nbdist-{gid}-*")
+        proc.kill()  # no cleanup runs in the caller
+        proc.wait(30)
+        assert glob.glob(os.path.join(tempfile.gettempdir(), f"nbdist-{gid}-*"))
+        with nbdist.start(2):
+            pass
+        assert glob.glob(os.path.join(tempfile.gettempdir(), f"nbdist-{gid}-*")) == []
+        assert glob.glob(f"/dev/shm/nbdist-{gid}-*") == []
+    finally:
+        proc.kill()
+        proc.wait()
