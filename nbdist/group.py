@@ -261,7 +261,7 @@ class Group(CallEngine):
                       f"  {rm['commands']['torchrun']}\nor\n  {rm['commands']['srun']}")
             config = {"backend": self._choice.backend, "device": self._choice.device,
                       "timeout": float(o["timeout"]), "threads": threads,
-                      "custom_backends": remote.custom_backend_blobs(self._choice),
+                      "custom_backends": launcher.custom_backend_blobs(self._choice),
                       "env": dict(o["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
                                                       if o["debug"] else {}))}
             self._pump.on_eof = lambda rank: self._remote_gone(rank)

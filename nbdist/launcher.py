@@ -147,7 +147,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     from .worker import main as worker_main  # imported here: `python -m nbdist.worker` stays clean
 
     ctx = mp_context()
-    custom = [cloudpickle.dumps(c) for c in choice.custom]
+    custom = custom_backend_blobs(choice)
     ranks: List[Rank] = []
     try:
         for r in range(world_size):
@@ -269,6 +269,11 @@ def failure_from(body: Dict[str, Any]) -> RemoteFailure:
             exc = None
     return RemoteFailure(body["rank"], body["type"], body["message"], body["traceback"],
                          body["time"], exc)
+
+
+def custom_backend_blobs(choice: BackendChoice) -> List[bytes]:
+    """The custom backends of a backend choice, pickled for the workers."""
+    return [cloudpickle.dumps(c) for c in choice.custom]
 
 
 def kill_all(ranks: List[Rank]) -> None:

@@ -18,8 +18,6 @@ import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
-import cloudpickle
-
 from . import transport
 from .errors import DistTimeoutError
 from .launcher import Rank, _on_control
@@ -187,8 +185,3 @@ def _bar(total: int, enabled: bool):
     from tqdm.auto import tqdm
 
     return tqdm(total=total, desc="ranks joined", unit="rank")
-
-
-def custom_backend_blobs(choice) -> List[bytes]:
-    """The custom backends of a backend choice, pickled for the workers."""
-    return [cloudpickle.dumps(c) for c in choice.custom]

@@ -107,7 +107,7 @@ class Pickler(cloudpickle.Pickler):
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self.created.append(path)
         try:
-            _write_all(fd, memoryview(data.view(-1).view(torch.uint8).numpy()))
+            write_all(fd, memoryview(data.view(-1).view(torch.uint8).numpy()))
         finally:
             os.close(fd)
         return (_rebuild_tensor,
@@ -115,8 +115,9 @@ class Pickler(cloudpickle.Pickler):
                  self.unlink))
 
 
-def _write_all(fd: int, view: memoryview) -> None:
-    # write() into tmpfs allocates pages in bulk: faster than faulting in an mmap, one copy only.
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd``. Into tmpfs, write() allocates pages in bulk: faster than
+    faulting them in through an mmap, and one copy only."""
     done = 0
     while done < len(view):
         done += os.write(fd, view[done:done + (1 << 30)])

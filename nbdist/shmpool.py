@@ -17,6 +17,8 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
+from .serialize import write_all
+
 POOL_BYTES = 2 << 30  # at most this much idle shared memory kept per worker
 _hooks: Dict[str, Callable[[str], None]] = {}
 _hooks_lock = threading.Lock()
@@ -90,10 +92,7 @@ class SegmentPool:
         path = f"{self.prefix}{os.getpid()}-p{self._count}"
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            view = memoryview(src.numpy())
-            done = 0
-            while done < nbytes:  # write() allocates tmpfs pages in bulk: cheaper than faults
-                done += os.write(fd, view[done:done + (1 << 30)])
+            write_all(fd, memoryview(src.numpy()))
             buf = mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
