@@ -6,12 +6,17 @@ return per-rank results. In a notebook, ``%load_ext nbdist`` adds ``%dist_start`
 
 This module imports no IPython, ipywidgets or matplotlib: it works in a plain script too.
 """
+import importlib as _importlib
+import importlib.abc as _importlib_abc
+import importlib.machinery as _machinery
+import sys as _sys
+
 from .backends import available_backends, register_backend, resolve_backend
 from .errors import (BackendError, DistTimeoutError, GroupClosedError, GroupInterrupted,
                      NbdistError, RankDiedError, RemoteError)
-from .group import Group, attach, current_group, launch, start, stop_all, use_group
+from .runtime.group import Group, attach, current_group, launch, start, stop_all, use_group
 
-__version__ = "0.1.0"
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
 __all__ = sorted([
     "BackendError",
@@ -36,16 +41,68 @@ __all__ = sorted([
 ])
 
 
-_SUBMODULES = ("bench", "lightning", "memory", "shm", "strategies", "ui")
+#: The documented subpackages: ``nbdist.memory.measure(...)`` works without importing them first;
+#: each loads on first use (``import nbdist`` stays light).
+SUBPACKAGES = ("backends", "bench", "errors", "lightning", "memory", "strategies", "ui")
+
+#: Modules that moved when nbdist grew packages, still importable under the path the docs gave
+#: them (``python -m nbdist.worker``, ``"nbdist.store_backend:create"``, ``import nbdist.shm``).
+MOVED = {
+    "nbdist.shm": "nbdist.backends.shm",
+    "nbdist.store_backend": "nbdist.backends.store",
+    "nbdist.worker": "nbdist.runtime.worker",
+    "nbdist.group": "nbdist.runtime.group",
+    "nbdist.launcher": "nbdist.runtime.launcher",
+}
 
 
 def __getattr__(name):
-    # nbdist.memory.measure(...) etc. without an explicit import; each loads on first use.
-    if name in _SUBMODULES:
-        import importlib
-
-        return importlib.import_module(f"{__name__}.{name}")
+    if name in SUBPACKAGES:
+        return _importlib.import_module(f"{__name__}.{name}")
+    if f"{__name__}.{name}" in MOVED:
+        return _importlib.import_module(MOVED[f"{__name__}.{name}"])
     raise AttributeError(f"module 'nbdist' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(set(__all__) | set(SUBPACKAGES) | {"__version__"})
+
+
+class _Alias(_importlib_abc.Loader):
+    """Loads an old module path as the module that now lives at ``target`` (one object, not a copy);
+    ``python -m`` on the old path runs the new module's code."""
+
+    def __init__(self, target: str):
+        self.target = target
+
+    def create_module(self, spec):
+        module = _importlib.import_module(self.target)
+        self._spec, self._loader = module.__spec__, module.__loader__
+        _sys.modules[spec.name] = module
+        return module
+
+    def exec_module(self, module):
+        # Already executed under its real name; keep its own spec (the import system set ours).
+        module.__spec__, module.__loader__ = self._spec, self._loader
+
+    def get_code(self, fullname):  # runpy (python -m OLD.PATH)
+        real = _importlib.util.find_spec(self.target)
+        return real.loader.get_code(self.target)
+
+
+class _MovedFinder(_importlib_abc.MetaPathFinder):
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname not in MOVED:
+            return None
+        if _sys.argv[:1] == ["-m"]:
+            # python -m OLD.PATH: run the real module as __main__, relative imports included.
+            real = _importlib.util.find_spec(MOVED[fullname])
+            return _machinery.ModuleSpec(real.name, _Alias(real.name), origin=real.origin)
+        return _machinery.ModuleSpec(fullname, _Alias(MOVED[fullname]))
+
+
+if not any(isinstance(f, _MovedFinder) for f in _sys.meta_path):
+    _sys.meta_path.append(_MovedFinder())
 
 
 def load_ipython_extension(ipython):

@@ -40,7 +40,7 @@ def _children():
 def _segments():
     """Segments of this process's groups that are no longer running (other sessions may share
     /dev/shm; a running group legitimately keeps its pooled result segments)."""
-    from nbdist.group import _live, started_ids
+    from nbdist.runtime.group import _live, started_ids
 
     running = {g.id for g in list(_live) if g.state != "stopped"}
     return {p for p in glob.glob("/dev/shm/nbdist-*")

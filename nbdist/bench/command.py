@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import sys
 from typing import List, Optional
@@ -39,7 +40,7 @@ def cli(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m nbdist bench``; return the exit code (1 if a result was wrong
     or the group could not start)."""
     from ..errors import NbdistError
-    from ..group import start
+    from ..runtime.group import start
 
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
@@ -51,9 +52,7 @@ def cli(argv: Optional[List[str]] = None) -> int:
     if args.out and os.path.splitext(args.out)[1].lower() not in _OUT_KINDS:
         parser.error(f"--out must name a .json or .csv file, got {args.out!r}")
     if args.plot:
-        try:
-            import matplotlib  # noqa: F401
-        except ImportError:
+        if importlib.util.find_spec("matplotlib") is None:
             parser.error("--plot needs matplotlib (pip install matplotlib)")
     try:
         with start(args.world_size, backend=args.backend, device=args.device) as g:
@@ -74,11 +73,9 @@ def cli(argv: Optional[List[str]] = None) -> int:
         (records.to_csv if args.out.lower().endswith(".csv") else records.to_json)(args.out)
         print(f"records written to {args.out}")
     if args.plot:
-        import matplotlib.pyplot as plt
-
         fig = records.plot(limit=memcpy, limit_label="memcpy, one core")[0].figure
         fig.savefig(args.plot, dpi=120, bbox_inches="tight")
-        plt.close(fig)
+        fig.clf()  # free it without touching pyplot here (the plots layer made it)
         print(f"plot written to {args.plot}")
     wrong = [f"{r['op']} {r['bytes']} B" for r in records if r["status"] == "wrong"]
     if wrong:

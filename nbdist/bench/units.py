@@ -20,13 +20,10 @@ send_recv. GB/s means 10**9 bytes per second, as in nccl-tests.
 """
 from __future__ import annotations
 
-import re
-from typing import Iterable, List, Optional, Sequence, Tuple, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
-KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
-_UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
-          "G": GiB, "GB": GiB, "GIB": GiB}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([A-Za-z]*)\s*$")
+from ..report.units import (GiB, KiB, MiB, format_bytes, format_rate, format_time, parse_size,
+                            parse_sizes, percentile)
 
 _FACTORS = {
     "all_reduce": lambda n: 2.0 * (n - 1) / n,
@@ -40,68 +37,6 @@ _FACTORS = {
 }
 OPS: Tuple[str, ...] = tuple(_FACTORS)
 """Every op the benchmark knows, in the order a sweep runs them."""
-
-
-def parse_size(text: Union[str, int]) -> int:
-    """One size in bytes: ``4096``, ``"4K"``, ``"64MiB"``, ``"1.5M"`` (units are powers of 1024)."""
-    if isinstance(text, bool) or not isinstance(text, (str, int)):
-        raise TypeError(f"a size is an int of bytes or a str such as '4K', got "
-                        f"{type(text).__name__} ({text!r})")
-    if isinstance(text, int):
-        value = text
-    else:
-        match = _SIZE_RE.match(text)
-        unit = match.group(2).upper() if match else None
-        if unit not in _UNITS:
-            raise ValueError(f"cannot read the size {text!r}: use a number with an optional unit "
-                             "B, K, M or G (powers of 1024), e.g. 4K or 64MiB")
-        value = int(float(match.group(1)) * _UNITS[unit])
-    if value < 1:
-        raise ValueError(f"sizes must be at least 1 byte, got {text!r}")
-    return value
-
-
-def parse_sizes(spec: Union[str, int, Iterable[Union[str, int]]]) -> List[int]:
-    """Message sizes in bytes, sorted and without repeats, from a compact spec.
-
-    ``"4K-64M"`` is every power-of-two multiple from 4 KiB to 64 MiB (like nccl-tests
-    ``-b 4K -e 64M -f 2``); ``"4K-64M:4"`` steps by 4 instead; ``"1K,64K,1M"`` lists sizes, and the
-    forms mix: ``"8,1K-4K"``. An int or a list of ints/strs is accepted as is.
-    """
-    if isinstance(spec, (str, int)) and not isinstance(spec, bool):
-        items = [spec] if isinstance(spec, int) else [p for p in spec.split(",") if p.strip()]
-    elif isinstance(spec, Iterable) and not isinstance(spec, (bytes, dict)):
-        items = list(spec)
-    else:
-        raise TypeError(f"sizes must be a str such as '4K-64M', an int or a list of sizes, got "
-                        f"{type(spec).__name__}")
-    if not items:
-        raise ValueError(f"no sizes in {spec!r}; give e.g. '4K-64M' or '1K,1M'")
-    out = set()
-    for item in items:
-        if isinstance(item, str) and "-" in item:
-            out.update(_parse_range(item))
-        else:
-            out.add(parse_size(item))
-    return sorted(out)
-
-
-def _parse_range(item: str) -> List[int]:
-    rng, _, step = item.partition(":")
-    lo_text, _, hi_text = rng.partition("-")
-    lo, hi = parse_size(lo_text), parse_size(hi_text)
-    if lo > hi:
-        raise ValueError(f"the size range {item.strip()!r} goes down; put the smaller size first: "
-                         f"'{hi_text.strip()}-{lo_text.strip()}'")
-    factor = step.strip() or "2"
-    if not factor.isdigit() or int(factor) < 2:
-        raise ValueError(f"the step in {item.strip()!r} must be a whole number of at least 2 "
-                         "(each size is the previous one times the step), e.g. '4K-64M:4'")
-    sizes, size = [], lo
-    while size <= hi:
-        sizes.append(size)
-        size *= int(factor)
-    return sizes
 
 
 def parse_ops(spec: Union[None, str, Sequence[str]]) -> List[str]:
@@ -131,43 +66,3 @@ def bandwidths(op: str, nbytes: int, seconds: Optional[float],
         return None, None
     algbw = nbytes / seconds / 1e9
     return algbw, algbw * factor
-
-
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """Linear-interpolation percentile (numpy's default) of ``values``, ``q`` in [0, 100]."""
-    s = sorted(values)
-    if not s:
-        return None
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
-
-
-def format_bytes(n: Optional[float]) -> str:
-    """``4096`` -> ``"4 KiB"``, ``1.5 * 2**20`` -> ``"1.5 MiB"``."""
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
-        if abs(n) >= size:
-            return f"{n / size:.4g} {unit}"
-    return f"{n:.4g} B"
-
-
-def format_time(seconds: Optional[float]) -> str:
-    """``1.2e-5`` -> ``"12 µs"``, ``0.0031`` -> ``"3.1 ms"``."""
-    if seconds is None:
-        return "-"
-    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
-        if abs(seconds) >= scale:
-            return f"{seconds / scale:.3g} {unit}"
-    return f"{seconds / 1e-9:.3g} ns"
-
-
-def format_rate(gbps: Optional[float]) -> str:
-    """``2.5`` -> ``"2.5 GB/s"``; ``0.012`` -> ``"12 MB/s"``."""
-    if gbps is None:
-        return "-"
-    if abs(gbps) < 1:
-        return f"{gbps * 1e3:.3g} MB/s"
-    return f"{gbps:.3g} GB/s"

@@ -1,10 +1,21 @@
 """The notebook layer: magics, widgets and plots on top of nbdist's core API.
 
+The only part of nbdist that imports IPython, ipywidgets or matplotlib. It may import every layer
+below it; nothing imports it back, except a record's ``.plot()`` loading :mod:`nbdist.ui.plots`
+when called (the plots take everything they draw from their arguments).
+
 ``nbdist.ui.launcher()``, ``bench_panel(group)`` and ``memory_panel(group)`` import ipywidgets only
 when first used; the plots live in :mod:`nbdist.ui.plots`.
 """
 
 _PANELS = ("launcher", "bench_panel", "memory_panel", "Launcher", "BenchPanel", "MemoryPanel")
+_PACKAGES = ("magics", "plots", "widgets")
+
+__all__ = sorted(_PANELS)
+
+
+def __dir__():
+    return sorted(set(__all__) | set(_PACKAGES))
 
 
 def __getattr__(name):

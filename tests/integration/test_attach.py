@@ -237,7 +237,7 @@ def test_controller_and_ranks_on_different_addresses(netns, tmp_path):
 
 
 def test_a_rank_joining_twice_is_refused_and_attach_keeps_its_deadline(tmp_path):
-    from nbdist import transport
+    from nbdist.wire import transport
 
     port = _free_port()
     key_file = str(tmp_path / "key.hex")

@@ -77,7 +77,7 @@ def test_an_op_or_dtype_the_backend_lacks_is_reported(shared_group):
 
 BROKEN = '''
 import torch
-from nbdist import store_backend
+from nbdist.backends import store as store_backend
 
 class Broken(store_backend.StoreProcessGroup):
     """The store backend, without all_to_all and with an all_reduce that does nothing."""

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 import nbdist
-from nbdist import transport
+from nbdist.wire import transport
 
 pytestmark = pytest.mark.timeout(180)
 

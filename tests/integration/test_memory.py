@@ -96,9 +96,10 @@ def test_stacked_bars_with_the_estimate_marked(report):
     assert len(ax.collections) == len(report)  # one estimate dash per bar
     assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == ALL
     assert "KB" in ax.get_ylabel()
-    from nbdist.ui.plots.memory import plot_estimate, plot_memory
+    from nbdist.ui.plots.memory import plot_memory
 
-    ax2 = plot_estimate(PSI, ["ddp", "fsdp"], world_sizes=[1, 2, 4], measured=report)
+    ax2 = nbdist.memory.estimate_curve(PSI, ["ddp", "fsdp"], world_sizes=[1, 2, 4]).plot(
+        measured=report)
     assert [line.get_label() for line in ax2.get_lines()] == ["ddp", "ddp measured", "fsdp",
                                                               "fsdp measured"]
     with pytest.raises(ValueError, match="needs at least one MemoryRecord"):
@@ -124,7 +125,8 @@ def test_sharded_ddp_without_buckets_matches_zero2(shared_group):
 
 def state_in_a_cell():
     """What a user writes in a %%dist cell: wrap, train one step, count."""
-    from nbdist import accounting, strategies
+    from nbdist import strategies
+    from nbdist.memory import accounting
 
     model, opt = strategies.wrap("fsdp2", SMALL(),
                                  functools.partial(torch.optim.SGD, lr=0.1, momentum=0.9))

@@ -26,8 +26,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import nbdist  # noqa: E402
-from nbdist import shm  # noqa: E402
-from nbdist.shm import segment  # noqa: E402
+from nbdist.backends import shm  # noqa: E402
+from nbdist.backends.shm import segment  # noqa: E402
 
 HOST = "127.0.0.1"
 NAME = "nbdist_shm_t"  # small slots, registered in the ranks

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from nbdist import store_backend  # noqa: E402
+from nbdist.backends import store as store_backend  # noqa: E402
 
 HOST = "127.0.0.1"
 

@@ -396,7 +396,7 @@ def test_use_group_takes_a_group():
 
 @pytest.mark.timeout(60)
 def test_more_magics_can_be_registered(shell, monkeypatch):
-    monkeypatch.setattr(magics, "_magic_classes", list(magics._magic_classes))
+    monkeypatch.setattr(magics.base, "_magic_classes", list(magics.base._magic_classes))
 
     @magics.register_magics
     @magics_class

@@ -12,7 +12,7 @@ from IPython.utils.capture import capture_output
 from traitlets import TraitError
 
 import nbdist
-import nbdist.ui.magics_ui  # noqa: F401 -- registers %dist_ui (also loaded by %load_ext nbdist)
+import nbdist.ui.magics  # noqa: F401 -- registers %dist_ui (also loaded by %load_ext nbdist)
 from nbdist.backends import backend_report, register_backend, unregister_backend
 from nbdist.ui.widgets import (BenchPanel, Launcher, MemoryPanel, bench_panel, launcher,
                                memory_panel)

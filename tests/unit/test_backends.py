@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 
 import nbdist
-from nbdist import backends
+from nbdist.backends import resolve as backends
 
 
 @pytest.fixture

@@ -100,7 +100,7 @@ def test_registry_describes_every_strategy_and_refuses_duplicates():
         mine = strategies.register_strategy("ddp", lambda *a: None, "mine", 0, override=True)
         assert strategies.get_strategy("ddp") is mine
     finally:
-        strategies._REGISTRY["ddp"] = original
+        strategies.registry._REGISTRY["ddp"] = original
     with pytest.raises(ValueError, match="zero_stage must be 0, 1, 2 or 3, got 7"):
         strategies.register_strategy("mine", lambda *a: None, "mine", 7)
     with pytest.raises(ValueError, match=r"'dp' not found in the strategy registry\. Available "
@@ -165,14 +165,17 @@ def test_plot_estimate_draws_every_strategy_on_log_axes():
     import matplotlib
 
     matplotlib.use("Agg")
+    from nbdist.memory import estimate_curve
     from nbdist.ui.plots.memory import plot_estimate
 
-    ax = plot_estimate(7.5e9, ["ddp", "zero1", "fsdp"], precision="bf16-mixed", mark=64)
+    ax = estimate_curve(7.5e9, ["ddp", "zero1", "fsdp"], precision="bf16-mixed").plot(mark=64)
     assert ax.get_xscale() == "log" and ax.get_yscale() == "log"
     ddp = ax.get_lines()[0]
     assert list(ddp.get_xdata()) == [2 ** i for i in range(13)]
     assert ddp.get_ydata()[0] == pytest.approx(120.0)  # GB at N = 1
     assert "GB" in ax.get_ylabel()
     with pytest.raises(ValueError, match="needs at least one strategy name"):
-        plot_estimate(1000, [])
+        estimate_curve(1000, [])
+    with pytest.raises(TypeError, match="build it with nbdist.memory.estimate_curve"):
+        plot_estimate(1000)
     matplotlib.pyplot.close("all")

@@ -13,7 +13,7 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,
                                NullLocator)
 
-from ...bench.units import format_bytes, format_rate, format_time
+from ...report.units import format_bytes, format_rate, format_time
 
 _CONFIG = ("backend", "world_size", "device", "dtype")
 _MARKERS = "os^vD<>p*h"

@@ -2,12 +2,12 @@
 world size. Each function takes data and ``ax=None`` and returns the Axes it drew on."""
 from __future__ import annotations
 
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, NullFormatter
 
-from ...memory import estimate, unit_for
+from ...report.units import unit_for
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "other": "#8172B3"}
 
@@ -62,28 +62,26 @@ def plot_memory(records: Iterable, ax=None):
     return ax
 
 
-def plot_estimate(num_params, strategies: Sequence[str] = ("ddp", "zero1", "fsdp_grad_op", "fsdp"),
-                  world_sizes: Optional[Sequence[int]] = None, precision: str = "fp32",
-                  optimizer: str = "adam", ax=None, mark: Optional[int] = None,
-                  measured: Optional[Iterable] = None):
-    """Per-rank model-state bytes from :func:`nbdist.memory.estimate` against world size.
+def plot_estimate(curve, ax=None, mark: Optional[int] = None, measured: Optional[Iterable] = None):
+    """Per-rank model-state bytes against world size, from an estimate curve.
 
-    ``world_sizes`` defaults to 1, 2, 4, ..., 4096 (log-2 axis); ``mark`` draws a vertical line at
-    one world size (the one you plan for); ``measured`` (MemoryRecords) adds the measured model
-    state of each strategy and world size as crosses in the strategy's colour.
+    ``curve``: what :func:`nbdist.memory.estimate_curve` returns (``curve.plot()`` calls this).
+    ``mark`` draws a vertical line at one world size (the one you plan for); ``measured``
+    (MemoryRecords) adds the measured model state of each strategy and world size as crosses in the
+    strategy's colour.
     """
-    if not strategies:
-        raise ValueError("plot_estimate() needs at least one strategy name, e.g. ['ddp', 'fsdp']")
-    sizes = list(world_sizes or [2 ** i for i in range(13)])
+    if not hasattr(curve, "totals"):
+        raise TypeError("plot_estimate() draws an estimate curve: build it with "
+                        "nbdist.memory.estimate_curve(num_params, strategies, ...), then call its "
+                        f".plot() (got {type(curve).__name__})")
+    sizes = list(curve.world_sizes)
     if ax is None:
         _, ax = plt.subplots(figsize=(6, 4))
-    totals = {name: [estimate(num_params, n, name, precision, optimizer).total for n in sizes]
-              for name in strategies}
-    unit, unit_name = unit_for(max(max(v) for v in totals.values()))
+    unit, unit_name = unit_for(max(max(v) for v in curve.totals.values()))
     points = {}
     for r in measured or ():
         points.setdefault((r.strategy, r.world_size), []).append(r.model_state / unit)
-    for name, values in totals.items():
+    for name, values in curve.totals.items():
         (line,) = ax.plot(sizes, [v / unit for v in values], marker="o", markersize=3, label=name)
         mine = [(n, sum(v) / len(v)) for (s, n), v in sorted(points.items()) if s == name]
         if mine:
@@ -97,7 +95,6 @@ def plot_estimate(num_params, strategies: Sequence[str] = ("ddp", "zero1", "fsdp
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel(f"params + grads + optimizer per rank ({unit_name})")
-    psi = estimate(num_params, 1, 0, precision, optimizer).num_params
-    ax.set_title(f"ZeRO estimate, Ψ = {psi:,}, {precision} {optimizer}")
+    ax.set_title(f"ZeRO estimate, Ψ = {curve.num_params:,}, {curve.precision} {curve.optimizer}")
     ax.legend(fontsize="small")
     return ax

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Callable, Optional, Sequence
 
-from ...group import Group
+from ...runtime.group import Group
 from ._bench import BenchPanel
 from ._common import Panel
 from ._launcher import Launcher

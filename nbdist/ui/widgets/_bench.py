@@ -10,7 +10,7 @@ from traitlets import Instance, Int, List, TraitError, Tuple as TTuple, Unicode,
 from ... import bench
 from ...backends import resolve_backend, resolve_device
 from ...bench import Records
-from ...group import Group
+from ...runtime.group import Group
 from ._common import Panel, backend_options, figure_png, image, reasons_html
 
 _SIZES = [2 ** i for i in range(31)]  # 1 B .. 1 GiB, the range slider's stops

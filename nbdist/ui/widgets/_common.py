@@ -12,7 +12,7 @@ from traitlets import TraitError, Unicode, observe
 
 from ...backends import backend_report, resolve_backend, resolve_device
 from ...errors import GroupClosedError
-from ...group import Group, current_group
+from ...runtime.group import Group, current_group
 
 UNAVAILABLE = "✗ unavailable"
 """What a backend's or a device's label in a dropdown ends with when it can't be used here."""

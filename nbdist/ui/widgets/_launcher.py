@@ -11,8 +11,8 @@ from traitlets import Float, Instance, Int, TraitError, Unicode, observe, valida
 
 from ...backends import registered_backends, resolve_backend, resolve_device
 from ...errors import NbdistError
-from ...group import Group, current_group, start, use_group
-from ...status import GroupStatus
+from ...runtime.group import Group, current_group, start, use_group
+from ...runtime.status import GroupStatus
 from ._common import Panel, backend_options, device_options, reasons_html
 
 _STATE_COLORS = {"idle": "#1b7f3b", "busy": "#b26a00", "dead": "#b00020", "stopped": "#666"}

@@ -10,7 +10,7 @@ import ipywidgets as widgets
 from traitlets import Instance, Int, List, TraitError, Unicode, observe, validate
 
 from ... import memory
-from ...group import Group
+from ...runtime.group import Group
 from ._common import Panel, figure_png, image
 
 _WORLD_SIZES = [2 ** i for i in range(13)]  # 1 .. 4096, the slider's stops
@@ -196,14 +196,13 @@ class MemoryPanel(Panel):
             self._draw_estimate()
 
     def _draw_estimate(self) -> None:
-        from ..plots.memory import plot_estimate
-
         args = (self.num_params, self.world_size, self.strategies, self.precision, self.optimizer)
         table = _pre(memory.estimate_table(*args))  # checked first: it raises on a bad input
         self._estimate_figure.value = figure_png(
-            lambda ax: plot_estimate(self.num_params, self.strategies, precision=self.precision,
-                                     optimizer=self.optimizer, ax=ax, mark=self.world_size,
-                                     measured=self.report),
+            lambda ax: memory.estimate_curve(self.num_params, self.strategies,
+                                             precision=self.precision, optimizer=self.optimizer
+                                             ).plot(ax=ax, mark=self.world_size,
+                                                    measured=self.report),
             (5.5, 3.6))
         self._estimate_table.value = table  # after the figure: the table showing N means both do
 

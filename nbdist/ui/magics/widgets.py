@@ -7,7 +7,7 @@ from __future__ import annotations
 from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 
-from .magics import NbdistMagics, register_magics
+from .base import NbdistMagics, register_magics
 
 PANELS = ("launcher", "bench", "memory")
 """The panels ``%dist_ui`` shows, by name."""
@@ -30,7 +30,7 @@ class UIMagics(NbdistMagics):
         The panel is the cell's value: ui = %dist_ui keeps it, e.g. to set ui.world_size = 4.
         """
         args = self.parse(self.dist_ui, line)
-        from . import widgets
+        from .. import widgets
 
         if args.panel == "bench":
             return widgets.bench_panel()

@@ -5,44 +5,24 @@ A large CPU tensor is not pickled byte by byte. Its data is copied once into a f
 receiver maps the file (``torch.from_file``), so the bytes never pass through a socket. Files are
 named ``nbdist-<group id>-...`` so that a group can remove anything a crash left behind.
 
-Results travelling worker -> caller go into segments a worker reuses (see :mod:`nbdist.shmpool`);
+Results travelling worker -> caller go into segments a worker reuses (see :mod:`nbdist.wire.pool`);
 values pushed caller -> workers are mapped private (copy-on-write) by every rank and unlinked by the caller
 once all ranks have answered.
 """
 from __future__ import annotations
 
-import glob
 import io
 import itertools
 import os
 import sys
-import tempfile
 from typing import Any, List, Optional
 
 import cloudpickle
 
-SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-SHM_MIN_BYTES = 1 << 16
+from .pool import rebuild_pooled
+from .segments import SHM_MIN_BYTES, remove_segments, write_all
+
 _counter = itertools.count()
-
-
-def shm_prefix(group_id: str, who: str) -> str:
-    """The file-name prefix for segments a group's member ``who`` creates."""
-    return os.path.join(SHM_DIR, f"nbdist-{group_id}-{who}-")
-
-
-def leftover_segments(group_id: str) -> List[str]:
-    """Segment files of group ``group_id`` that still exist."""
-    return glob.glob(os.path.join(SHM_DIR, f"nbdist-{group_id}-*"))
-
-
-def remove_segments(paths) -> None:
-    """Unlink segment files, ignoring those already gone."""
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass
 
 
 def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool, private: bool,
@@ -97,8 +77,6 @@ class Pickler(cloudpickle.Pickler):
         is_param = isinstance(t, torch.nn.Parameter)
         requires_grad = bool(t.requires_grad and (t.is_leaf or is_param))
         if self.pool is not None:
-            from .shmpool import rebuild_pooled
-
             path, nbytes = self.pool.store(data)
             self.pooled.append(path)
             return (rebuild_pooled, (path, nbytes, data.dtype, tuple(data.shape), requires_grad,
@@ -113,14 +91,6 @@ class Pickler(cloudpickle.Pickler):
         return (_rebuild_tensor,
                 (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
                  self.unlink))
-
-
-def write_all(fd: int, view: memoryview) -> None:
-    """Write all of ``view`` to ``fd``. Into tmpfs, write() allocates pages in bulk: faster than
-    faulting them in through an mmap, and one copy only."""
-    done = 0
-    while done < len(view):
-        done += os.write(fd, view[done:done + (1 << 30)])
 
 
 def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,

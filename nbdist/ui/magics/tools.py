@@ -8,23 +8,7 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .magics import NbdistMagics, register_magics, usage
-
-
-def _show_figure(drawn) -> None:
-    """Show a figure inline as a PNG (works in any frontend, inline backend or not), then close it."""
-    import io
-
-    import matplotlib.pyplot as plt
-    from IPython.display import Image
-
-    while not hasattr(drawn, "savefig") and not hasattr(drawn, "figure"):
-        drawn = list(drawn)[0]  # several Axes side by side (a tuple or an array)
-    fig = drawn if hasattr(drawn, "savefig") else drawn.figure  # a Figure, or an Axes
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
-    plt.close(fig)
-    display(Image(data=buf.getvalue(), format="png"))
+from .base import NbdistMagics, _show_figure, register_magics, usage
 
 
 @register_magics
@@ -54,7 +38,7 @@ class MemoryMagics(NbdistMagics):
         With a parameter count as --model (e.g. --model 7.5B) nothing runs: the analytic estimate
         is shown for the world sizes of --world-sizes, so you can plan a cluster from a laptop.
         """
-        from .. import memory
+        from ... import memory
 
         args = self.parse(self.dist_mem, line)
         names = [n.strip() for n in args.strategies.split(",") if n.strip()]
@@ -66,10 +50,9 @@ class MemoryMagics(NbdistMagics):
                 for n in sizes:
                     print(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
                 if not args.no_plot:
-                    from .plots.memory import plot_estimate
-
-                    _show_figure(plot_estimate(spec, names, sizes, precision=args.precision,
-                                               optimizer=args.optimizer))
+                    _show_figure(memory.estimate_curve(spec, names, sizes,
+                                                       precision=args.precision,
+                                                       optimizer=args.optimizer).plot())
                 return None
             report = memory.measure(self.group, spec, names, args.optimizer, args.steps,
                                     args.batch, precision=args.precision, profile=args.profile)
@@ -101,7 +84,7 @@ class BenchMagics(NbdistMagics):
         """Measure latency, algbw and busbw (nccl-tests' definitions) of collectives on the
         current group; show the table and, inline, latency and bus bandwidth against size with
         this machine's single-core memcpy bandwidth as the limit line."""
-        from .. import bench
+        from ... import bench
 
         args = self.parse(self.dist_bench, line)
         group = self.group

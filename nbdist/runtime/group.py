@@ -23,43 +23,18 @@ import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from . import launcher, serialize, shmpool, transport
-from .backends import BackendChoice, resolve_backend
-from .errors import GroupClosedError
-from .dispatch import CallEngine
-from .output import OutputPump, Sink
+from ..wire import pool as shmpool, segments, serialize, transport
+from . import launcher
+from ..backends import BackendChoice, resolve_backend
+from ..errors import GroupClosedError
+from .calls import CallEngine
+from ..wire.relay import OutputPump, Sink
 from .status import GroupStatus, RankStatus
 
 _live: "weakref.WeakSet[Group]" = weakref.WeakSet()
 _notes_said: set = set()
 started_ids: set = set()  # ids of every group started in this process (leak checks use them)
 _current: Optional["Group"] = None
-
-
-def _sweep_orphans() -> None:
-    """Remove what groups of callers that were killed (SIGKILL: no cleanup ran) left behind:
-    their temp dir ``nbdist-<id>-p<pid>-*`` and their shared-memory segments ``nbdist-<id>-*``."""
-    import glob
-
-    for path in glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*-p*-*")):
-        parts = os.path.basename(path).split("-")
-        if len(parts) < 4 or not parts[2][1:].isdigit():
-            continue
-        pid = int(parts[2][1:])
-        if pid == os.getpid() or _alive(pid):
-            continue
-        serialize.remove_segments(serialize.leftover_segments(parts[1]))
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def current_group() -> Optional["Group"]:
@@ -219,7 +194,7 @@ class Group(CallEngine):
         env.update(o["env"] or {})
         if o["debug"]:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        _sweep_orphans()
+        segments.sweep_orphans()
         self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-p{os.getpid()}-")
         self._pump = OutputPump(self._sink)
         try:
@@ -245,7 +220,7 @@ class Group(CallEngine):
         self._state = "ready"
 
     def _attach_ranks(self, threads, o) -> List[launcher.Rank]:
-        from . import remote
+        from . import attach as remote
 
         rm = self._remote
         listener = transport.listen(*rm["address"])
@@ -262,6 +237,7 @@ class Group(CallEngine):
             config = {"backend": self._choice.backend, "device": self._choice.device,
                       "timeout": float(o["timeout"]), "threads": threads,
                       "custom_backends": launcher.custom_backend_blobs(self._choice),
+                      "rank_hooks": launcher.RANK_HOOKS,
                       "env": dict(o["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
                                                       if o["debug"] else {}))}
             self._pump.on_eof = lambda rank: self._remote_gone(rank)
@@ -285,7 +261,7 @@ class Group(CallEngine):
                 r.process.streams_closed()
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
-        from .output import default_sink
+        from ..wire.relay import default_sink
 
         (self.output or default_sink)(rank, stream, text)
 
@@ -370,11 +346,11 @@ class Group(CallEngine):
             self._pump.close()
             self._pump = None
         shmpool.set_release_hook(self.id, None)
-        serialize.remove_segments(serialize.leftover_segments(self.id))
+        segments.remove_segments(segments.leftover_segments(self.id))
         self._store = None
         if self._remote is not None and self._remote.get("key_file") and \
                 self._remote.get("own_key_file"):
-            serialize.remove_segments([self._remote["key_file"]])
+            segments.remove_segments([self._remote["key_file"]])
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -436,7 +412,7 @@ class Group(CallEngine):
 
     def _pickle(self, obj: Any, what: str):
         try:
-            return serialize.dumps(obj, serialize.shm_prefix(self.id, "c"), private=True,
+            return serialize.dumps(obj, segments.shm_prefix(self.id, "c"), private=True,
                                    unlink=False)
         except Exception as err:  # noqa: BLE001 -- cloudpickle raises many types
             raise TypeError(f"cannot send the {what} to the ranks: it (or something it refers to) "
@@ -515,7 +491,7 @@ def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] 
     takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
     on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
     """
-    from .remote import parse_listen
+    from .attach import parse_listen
 
     address = parse_listen(listen)
     remote = {"address": address, "key_file": key_file, "own_key_file": key_file is None,

@@ -1,33 +1,5 @@
-"""IPython magics: ``%load_ext nbdist``, then run cells on the ranks of a group.
-
-=====================  =================================================================
-``%dist_start``        start a group (``-n N``, ``--backend``, ``--device``, ``--timeout``)
-``%%dist``             run the cell on the ranks (``--ranks 0,2``, ``--timeout S``, ``-q``)
-``%dist statement``    the one-line form (end the options with ``--`` if needed)
-``%autodist``          every cell runs on the ranks until ``%autodist`` again
-``%dist_push a b``     copy kernel variables to the ranks; ``%dist_pull x [--rank R]`` back
-``%dist_status``       per-rank table; ``%dist_restart``, ``%dist_stop``
-=====================  =================================================================
-
-Each magic prints its help with ``%dist_start?``; wrong arguments raise ``UsageError``.
-
-The current group
-    The magics work on one *current group*: the one ``%dist_start`` started, or one started in
-    code and attached with :func:`use_group`. Code gets the same object from
-    :func:`current_group`, so ``g = current_group(); g.run(fn)`` and ``%%dist`` share the ranks.
-
-Output
-    What the ranks print arrives while the cell runs, in that cell, one ``[rank r]`` line each
-    (the group relays it in the context of the call, which ipykernel >= 7 routes to the cell that
-    made the call). The value of a cell's last expression is shown per rank, ``Out[rank r]:``,
-    with the object's rich representation where it has one.
-
-Adding magics (``%dist_bench``, ``%dist_mem``, ``%dist_ui``)
-    Another module subclasses :class:`NbdistMagics` (``self.group``, ``self.parse``), decorates
-    the class with IPython's ``@magics_class`` and with :func:`register_magics`. Registered classes
-    are loaded by ``%load_ext nbdist`` (and added at once to a shell that has it loaded already),
-    and removed by ``%unload_ext nbdist``.
-"""
+"""The core magics: ``%dist_start``/``restart``/``stop``/``status``, ``%%dist``, ``%autodist``,
+``%dist_push``/``%dist_pull``."""
 from __future__ import annotations
 
 import argparse
@@ -43,108 +15,14 @@ from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import publish_display_data
 
-from ..group import Group, current_group, start, use_group
+from ...runtime.group import Group, current_group, start, use_group
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
 
 
-def register_magics(cls: type) -> type:
-    """Class decorator: load this ``Magics`` subclass with ``%load_ext nbdist``."""
-    names = [c.__name__ for c in _magic_classes]
-    if cls.__name__ in names:
-        raise ValueError(f"a magics class named {cls.__name__!r} is already registered "
-                         f"(registered: {', '.join(names)}); give the class another name.")
-    _magic_classes.append(cls)
-    shell = get_ipython()
-    if shell is not None and _is_loaded(shell):
-        shell.register_magics(cls)
-    return cls
-
-
-def _is_loaded(shell) -> bool:
-    return any(isinstance(m, NbdistMagics) for m in shell.magics_manager.registry.values())
-
-
-def load_ipython_extension(shell) -> None:
-    """Register the magics of every registered class; loading again changes nothing.
-
-    Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
-    """
-    from ..launcher import prewarm
-    from . import magics_tools  # noqa: F401 -- registers %dist_mem / %dist_bench
-    from . import magics_ui  # noqa: F401 -- registers %dist_ui
-
-    prewarm()
-    for cls in _magic_classes:
-        if cls.__name__ not in shell.magics_manager.registry:
-            shell.register_magics(cls)
-
-
-def unload_ipython_extension(shell) -> None:
-    """Remove the magics, turn ``%autodist`` off and stop the groups the magics started."""
-    for cls in _magic_classes:
-        magics = shell.magics_manager.registry.pop(cls.__name__, None)
-        if magics is None:
-            continue
-        if isinstance(magics, DistMagics):
-            magics.autodist_off()
-        for kind in ("line", "cell"):
-            for name in magics.magics[kind]:
-                shell.magics_manager.magics[kind].pop(name, None)
-    for group in list(_started):
-        group.stop()
-    if current_group() is not None and current_group().state == "stopped":
-        use_group(None)
-
-
-def _positive(kind):
-    def convert(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"expected a positive {kind.__name__}, got {text!r}")
-        return value
-
-    convert.__name__ = kind.__name__
-    return convert
-
-
-def _rank_list(text: str) -> List[int]:
-    try:
-        ranks = [int(part) for part in text.split(",")]
-    except ValueError:
-        ranks = [-1]
-    if min(ranks) < 0:
-        raise argparse.ArgumentTypeError(
-            f"expected rank numbers separated by commas, e.g. 0,2; got {text!r}")
-    return ranks
-
-
-class NbdistMagics(Magics):
-    """Base class of nbdist's magics: the current group and argument parsing."""
-
-    @property
-    def group(self) -> Group:
-        """The current group; ``UsageError`` if there is none."""
-        if current_group() is None:
-            raise UsageError("no nbdist group is running: start one with %dist_start -n 2, or "
-                             "attach one started in code with nbdist.ui.magics.use_group(g).")
-        return current_group()
-
-    def parse(self, magic, line: str) -> argparse.Namespace:
-        """Parse ``line`` for ``magic``; a mistake raises ``UsageError`` ending in the usage."""
-        try:
-            return parse_argstring(magic, line)
-        except UsageError as err:
-            raise UsageError(f"{err}\n{usage(magic)}") from None
-
-
-def usage(magic) -> str:
-    """The one-line usage of a magic: ``usage: %dist [--ranks R[,R...]] ...``."""
-    return "usage: " + " ".join(magic.parser.format_usage().replace("::", "").split())
+from .base import (NbdistMagics, _positive, _rank_list, _show_figure, _started, register_magics,
+                   usage)
 
 
 @register_magics
@@ -275,7 +153,7 @@ class DistMagics(NbdistMagics):
                    timeout: Optional[float] = None, quiet: bool = False) -> None:
         """Like :meth:`run_on_ranks`, recording every collective the cell issues on the ranks
         (``nbdist.bench.trace``); then show the per-op summary and the per-rank timeline."""
-        from ..bench import Trace
+        from ...bench import Trace
 
         group = self.group
         group.exec("import nbdist.bench as _nbdist_bench\n"
@@ -290,8 +168,6 @@ class DistMagics(NbdistMagics):
         summary = merged.summary()
         publish_display_data({"text/plain": str(summary), "text/html": summary._repr_html_()})
         if len(merged):
-            from .magics_tools import _show_figure
-
             _show_figure(merged.plot())
 
     def _show(self, rank: int, value) -> None:

@@ -25,17 +25,23 @@ from typing import Any, Dict, List, Optional
 
 import cloudpickle
 
-from . import transport
-from .backends import BackendChoice
-from .errors import DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure
-from .output import OutputPump
+from ..wire import transport
+from ..backends import BackendChoice
+from ..errors import DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure
+from ..wire.relay import OutputPump
+
+
+#: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
+#: the runtime does not import the layers above it). Lightning's guards only install an import hook:
+#: Lightning itself is patched if and when code on the rank imports it.
+RANK_HOOKS = ("nbdist.lightning.guards:install_hooks",)
 
 
 def mp_context():
     """forkserver (torch preloaded) where available, spawn elsewhere (Windows)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["nbdist.worker"])
+        ctx.set_forkserver_preload(["nbdist.runtime.worker"])
         return ctx
     return mp.get_context("spawn")
 
@@ -155,6 +161,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
                    "address": ("127.0.0.1", port), "key": key, "backend": choice.backend,
                    "device": choice.device, "timeout": timeout, "threads": threads,
                    "custom_backends": custom, "store_path": store_path, "shm": True,
+                   "rank_hooks": RANK_HOOKS,
                    "env": rank_env(env, r, world_size, port)}
             proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
             with _main_hidden():

@@ -17,7 +17,7 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
-from .serialize import write_all
+from .segments import write_all
 
 POOL_BYTES = 2 << 30  # at most this much idle shared memory kept per worker
 _hooks: Dict[str, Callable[[str], None]] = {}

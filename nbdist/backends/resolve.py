@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
-from .errors import BackendError
+from ..errors import BackendError
 
 ENV_VAR = "NBDIST_BACKEND"
 _BUILTIN = ("gloo", "nccl", "mpi", "ucc", "xccl")
@@ -67,7 +67,7 @@ class BackendChoice:
 
 _registry: Dict[str, CustomBackend] = {}
 # nbdist's own backend for ranks on one host (nbdist/shm), selectable by name like any custom one.
-_registry["nbdist_shm"] = CustomBackend("nbdist_shm", "nbdist.shm:create", ("cpu",))
+_registry["nbdist_shm"] = CustomBackend("nbdist_shm", "nbdist.backends.shm:create", ("cpu",))
 
 
 def register_backend(name: str, creator: Union[str, Callable], devices: Optional[Sequence[str]] = None,
@@ -101,7 +101,7 @@ def register_backend(name: str, creator: Union[str, Callable], devices: Optional
             raise ValueError(f"unknown device {d!r} for backend {name!r}; expected one of {_DEVICES}")
     entry = CustomBackend(key, creator, devs, extended_api)
     old = _registry.get(key)
-    if old is not None and old != entry and not replace:
+    if old is not None and old != entry and not replace and not _same_backend(old, entry):
         raise BackendError(f"backend {name!r} is already registered (creator {old.creator!r}); "
                            "pass replace=True to replace it.")
     if isinstance(creator, str):
@@ -112,6 +112,17 @@ def register_backend(name: str, creator: Union[str, Callable], devices: Optional
                                "The module must be importable in the workers (and here).") from err
     _registry[key] = entry
     return entry
+
+
+def _same_backend(old: CustomBackend, new: CustomBackend) -> bool:
+    """The same creator under another import path (``nbdist.shm:create`` is
+    ``nbdist.backends.shm:create``), same devices: registering it again changes nothing."""
+    if (old.devices, old.extended_api) != (new.devices, new.extended_api):
+        return False
+    try:
+        return old.load_creator() is new.load_creator()
+    except (ImportError, AttributeError):
+        return False
 
 
 def unregister_backend(name: str) -> None:

@@ -20,7 +20,8 @@ from typing import Any, Dict, List, Optional
 import torch
 from torch import nn
 
-from . import strategies as _strategies
+from .. import strategies as _strategies
+from ..report.units import human_bytes, unit_for
 
 
 def optimizer_fn(name: str):
@@ -100,20 +101,6 @@ def _default_input(model: nn.Module, batch: int) -> torch.Tensor:
             return torch.randn(batch, m.in_features)
     raise ValueError(f"cannot tell what input {type(model).__name__} takes (no nn.Linear in it); "
                      "pass input_fn=lambda batch: <a batch of inputs> to measure()")
-
-
-def unit_for(nbytes: float):
-    """``(scale, name)`` of the decimal unit that shows ``nbytes`` best: (1e6, "MB")..."""
-    for name, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
-        if nbytes >= scale:
-            return scale, name
-    return 1.0, "B"
-
-
-def human_bytes(n: float) -> str:
-    """``31406250000`` -> ``"31.4 GB"`` (decimal units, as the ZeRO paper)."""
-    scale, unit = unit_for(n)
-    return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} B"
 
 
 def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int, precision: str,

@@ -18,10 +18,10 @@ import time
 from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
-from . import transport
-from .errors import DistTimeoutError
+from ..wire import transport
+from ..errors import DistTimeoutError
 from .launcher import Rank, _on_control
-from .output import OutputPump
+from ..wire.relay import OutputPump
 
 
 class RemoteProcess:

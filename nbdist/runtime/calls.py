@@ -17,8 +17,10 @@ import queue
 import time
 from typing import Any, Dict, List, Optional
 
-from . import launcher, serialize, transport
-from .errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
+from ..wire import serialize, transport
+from ..wire.segments import remove_segments
+from . import launcher
+from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
                      RemoteFailure, hint_for)
 
 
@@ -51,7 +53,7 @@ class CallEngine:
                 self._state = "ready"
                 return self._decode(replies)
         finally:
-            serialize.remove_segments(segments)
+            remove_segments(segments)
 
     def _send(self, targets: List[int], msg: bytes, what: str, pending: set) -> None:
         now = time.time()

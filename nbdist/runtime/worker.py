@@ -18,6 +18,7 @@ from __future__ import annotations
 import ast
 import atexit
 import ctypes
+import importlib
 import linecache
 import os
 import signal
@@ -34,8 +35,8 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
-from . import serialize, transport
-from .shmpool import SegmentPool
+from ..wire import segments, serialize, transport
+from ..wire.pool import SegmentPool
 
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
@@ -53,7 +54,7 @@ class _Worker:
         self.rank = cfg["rank"]
         self.ns: Dict[str, Any] = {}
         self.cells = 0
-        self.pool = SegmentPool(serialize.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
+        self.pool = SegmentPool(segments.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
             if cfg["shm"] else None
 
     # ---- start-up -------------------------------------------------------------------------
@@ -102,7 +103,7 @@ class _Worker:
         if cfg["threads"]:
             torch.set_num_threads(cfg["threads"])
         if cfg["backend"] == "auto" or cfg["device"] == "auto":  # attached ranks decide here
-            from .backends import resolve_backend
+            from ..backends import resolve_backend
 
             choice = resolve_backend(cfg["backend"], cfg["device"])
             cfg["backend"], cfg["device"] = choice.backend, choice.device
@@ -121,9 +122,9 @@ class _Worker:
                                 world_size=cfg["world_size"],
                                 timeout=timedelta(seconds=cfg["timeout"]))
         self._guard_init()
-        from . import lightning  # an import hook only: Lightning itself loads when user code asks
-
-        lightning.install_hooks()
+        for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
+            module, _, name = hook.partition(":")
+            getattr(importlib.import_module(module), name)()
         self.ns.update({"__name__": "__main__", "__builtins__": __builtins__, "torch": torch,
                         "dist": dist, "rank": self.rank, "world_size": cfg["world_size"],
                         "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
@@ -342,6 +343,6 @@ def cli(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    from nbdist.worker import cli as _cli  # the real module, not a second copy as __main__
+    from nbdist.runtime.worker import cli as _cli  # the real module, not a second copy as __main__
 
     _cli()

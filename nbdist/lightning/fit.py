@@ -1,0 +1,184 @@
+"""``fit``: a Lightning ``Trainer`` run on every rank of a group, results back per rank."""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import os
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable, Dict, List, Optional, Union
+
+from .guards import _SPAWNING, _dist, _installed_namespace, _spawn_message, install_hooks
+
+_WEIGHTS = ("rank0", "all", "none")
+
+
+# ---- fit ---------------------------------------------------------------------------------------
+@dataclass
+class FitResult:
+    """What :func:`fit` returns for one rank."""
+
+    rank: int
+    metrics: Dict[str, float]  #: ``trainer.callback_metrics`` as floats
+    checkpoint_path: Optional[str]  #: the checkpoint ModelCheckpoint kept (``None``: none)
+    epochs: int  #: epochs run
+    global_step: int  #: optimizer steps run
+    backend: str  #: the process group's backend during the fit
+    state_dict: Optional[Dict[str, Any]] = field(default=None, repr=False)  #: full CPU weights
+
+    def load_into(self, module, strict: bool = True):
+        """Load the trained weights into ``module`` (e.g. a fresh one made in the kernel)."""
+        if self.state_dict is None:
+            raise ValueError(f"rank {self.rank} returned no weights: with weights='rank0' (the "
+                             "default) only rank 0 does, and with weights='none' no rank does. "
+                             "Use results[0].load_into(module), or fit(..., weights='all').")
+        module.load_state_dict(self.state_dict, strict=strict)
+        return module
+
+
+def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
+        strategy: Union[str, Any] = "ddp", process_group_backend: Optional[str] = None, *,
+        weights: str = "rank0", timeout: Optional[float] = None,
+        **trainer_kwargs) -> List[FitResult]:
+    """Train with a Lightning ``Trainer`` on every rank of ``group``; return a :class:`FitResult`
+    per rank (metrics, checkpoint path, and the trained weights for ``FitResult.load_into``).
+
+    Args:
+        group: an :class:`nbdist.Group`.
+        make_module: called on each rank; returns the ``LightningModule``.
+        make_data: called on each rank; returns a ``LightningDataModule``, a training
+            ``DataLoader``, or ``(train_loader, val_loader)``. ``None``: the module has its own.
+        strategy: a Lightning strategy name or object. ``"fsdp2"`` means FSDP2 through
+            ``ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)`` (the
+            module applies ``fully_shard`` in ``configure_model``, over
+            ``self.device_mesh["data_parallel"]``); it also works on CPU, where ``"fsdp"`` does not.
+        process_group_backend: default: the group's backend. Another one (a registered custom
+            backend, ``"cpu:gloo,cuda:nccl"``, ...) is used for this fit: the ranks re-form their
+            process group with it, then go back to the group's backend (per-rank variables stay).
+        weights: which ranks return the full trained weights: ``"rank0"``, ``"all"`` or ``"none"``.
+        timeout: deadline for the whole fit, in seconds (default: the group's ``call_timeout``).
+        **trainer_kwargs: passed to ``Trainer``. Defaults: ``accelerator`` from the group's
+            device, ``devices=group.world_size``; ranks other than 0 show no progress bar or
+            model summary.
+    """
+    from ..backends import resolve_backend
+
+    built = not isinstance(make_module, type) and hasattr(make_module, "training_step")
+    if built or not callable(make_module) or (make_data is not None and not callable(make_data)):
+        raise TypeError("make_module (and make_data, when given) must be callables that build the "
+                        "LightningModule / the data on each rank, e.g. fit(group, MyModule, MyData)"
+                        f", not {type(make_module).__name__} / {type(make_data).__name__} objects")
+    if weights not in _WEIGHTS:
+        raise ValueError(f"weights must be one of {list(_WEIGHTS)}, got {weights!r}")
+    world = group.world_size
+    if isinstance(strategy, str):
+        name = strategy.lower()
+        if any(word in name for word in _SPAWNING):
+            raise ValueError(_spawn_message(f"strategy={strategy!r}", world))
+        if name.startswith("fsdp") and name != "fsdp2" and group.device == "cpu":
+            raise ValueError(f"strategy={strategy!r} is Lightning's FSDPStrategy, which needs "
+                             "CUDA; this group runs on CPU. Use strategy='fsdp2' (FSDP2 through "
+                             "ModelParallelStrategy: apply fully_shard in configure_model).")
+        if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
+            raise ImportError(f"strategy={strategy!r} needs DeepSpeed, which is not installed "
+                              "(pip install deepspeed; it needs a CUDA build of torch). On CPU, "
+                              "strategy='fsdp2' shards like ZeRO-3.")
+    else:
+        own = getattr(strategy, "_process_group_backend", None)
+        if own and process_group_backend and own.lower() != process_group_backend.lower():
+            raise ValueError(f"the strategy object says process_group_backend={own!r} but fit() "
+                             f"got process_group_backend={process_group_backend!r}; give one.")
+        process_group_backend = process_group_backend or own
+    target = group.backend
+    custom: tuple = ()
+    if process_group_backend is not None:
+        choice = resolve_backend(process_group_backend, group.device)  # BackendError if unusable
+        target, custom = choice.backend, choice.custom
+    if target != group.backend:
+        print(f"nbdist: this fit uses process_group_backend={target!r}, the group uses "
+              f"{group.backend!r}: the ranks re-form their process group with {target!r} for the "
+              f"fit and go back to {group.backend!r} afterwards (per-rank variables are kept).",
+              file=sys.stderr)
+    spec = {"strategy": strategy, "backend": target, "home": group.backend, "custom": custom,
+            "device": group.device, "timeout": group.timeout, "weights": weights}
+    return group.call(_fit_on_rank, (make_module, make_data, spec, trainer_kwargs),
+                      timeout=timeout)
+
+
+def _reform(backend: str, timeout: float) -> None:
+    """Replace the default process group by one with ``backend`` (same ranks, same store)."""
+    dist = _dist()
+    from torch.distributed import distributed_c10d as c10d
+
+    store = c10d._get_default_store()
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    rank, size = dist.get_rank(), dist.get_world_size()
+    # Every rank re-forms the same number of times, so this counter gives all a fresh, equal prefix
+    # without a collective (which would not work on a group a failed fit left broken).
+    generation = (store.add("nbdist-lightning/reforms", 1) - 1) // size
+    dist.destroy_process_group()
+    store = dist.PrefixStore(f"nbdist-lightning/{generation}", store)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
+                            timeout=timedelta(seconds=timeout))
+
+
+def _build_strategy(pl, strategy, backend: str, world_size: int):
+    if not isinstance(strategy, str):
+        return strategy
+    name, strategies = strategy.lower(), pl.strategies
+    if name == "ddp":
+        return strategies.DDPStrategy(process_group_backend=backend)
+    if name == "fsdp2":
+        return strategies.ModelParallelStrategy(data_parallel_size=world_size,
+                                                tensor_parallel_size=1,
+                                                process_group_backend=backend)
+    if name == "fsdp":
+        return strategies.FSDPStrategy(process_group_backend=backend)
+    return strategy
+
+
+def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
+    dist = _dist()
+    install_hooks()
+    switch = spec["backend"] != spec["home"]
+    if switch:
+        for backend in spec["custom"]:
+            backend.register_in_torch()
+        _reform(spec["backend"], spec["timeout"])
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        module = make_module()
+        data = make_data() if make_data is not None else None
+        pl = importlib.import_module(_installed_namespace(module))
+        kwargs = dict(trainer_kwargs)
+        kwargs.setdefault("accelerator", "gpu" if spec["device"] == "cuda" else "cpu")
+        kwargs.setdefault("devices", world)
+        if rank != 0:
+            kwargs.update(enable_progress_bar=False, enable_model_summary=False)
+        trainer = pl.Trainer(strategy=_build_strategy(pl, spec["strategy"], spec["backend"], world),
+                             **kwargs)
+        if isinstance(data, pl.LightningDataModule):
+            trainer.fit(module, datamodule=data)
+        elif isinstance(data, tuple):
+            trainer.fit(module, *data)
+        else:
+            trainer.fit(module, data)
+        state = None
+        if spec["weights"] != "none":
+            from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                                 get_model_state_dict)
+
+            full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+            if spec["weights"] == "all" or rank == 0:
+                state = {k: v.detach().cpu().clone() for k, v in full.items()}
+        callback = trainer.checkpoint_callback
+        path = callback.best_model_path or callback.last_model_path if callback else None
+        metrics = {k: float(v) for k, v in trainer.callback_metrics.items()
+                   if getattr(v, "numel", lambda: 1)() == 1}
+        return FitResult(rank, metrics, path or None, trainer.current_epoch, trainer.global_step,
+                         str(dist.get_backend()), state)
+    finally:
+        if switch:
+            _reform(spec["home"], spec["timeout"])

@@ -1,0 +1,33 @@
+"""Per-rank memory of sharded training: measured on a group, and estimated with the ZeRO formulas.
+
+:func:`measure` trains a few real steps under each strategy on every rank and returns a
+:class:`MemoryReport` of per-rank :class:`MemoryRecord` s. Each figure says how it was obtained:
+
+* ``params`` / ``grads`` / ``optimizer`` -- **exact**: unique storages reachable from the model's
+  parameters, their ``.grad`` and the optimizer state (DTensors counted by their local shard), each
+  storage once, after the last step (grads, params and state all alive).
+* ``other`` -- **exact for what Python sees**: every other tensor storage the process gained
+  (gc walk): reduce buckets, unsharded parameters left over... C++-only buffers (DDP's reducer
+  copy without ``gradient_as_bucket_view``) are invisible to it; the record's notes say so.
+* ``in_flight`` -- the same walk between forward and backward of the last step (FSDP's unsharded
+  parameters while they wait for backward).
+* ``peak`` -- on CUDA the caching allocator's ``max_memory_allocated`` (exact); on CPU, opt-in with
+  ``profile=True`` (the torch profiler slows the step down): Python-visible bytes before the step
+  plus the largest rise of CPU allocations during it (approximate).
+* ``rss`` -- process RSS after ``malloc_trim`` (approximate; includes torch itself, ~230 MB).
+
+:func:`estimate` gives the analytic figures of the ZeRO paper (Rajbhandari et al., 2020) for any
+world size -- how to plan a cluster from a laptop. This module imports no matplotlib or IPython;
+:meth:`MemoryReport.plot` imports :mod:`nbdist.ui.plots.memory` when called.
+"""
+from __future__ import annotations
+
+from .accounting import human_bytes, unit_for
+from .command import cli
+from .formulas import (OPTIMIZERS, Estimate, EstimateCurve, count_params, estimate, estimate_curve,
+                       mlp, model_spec, parse_count)
+from .report import MemoryRecord, MemoryReport, estimate_table, measure
+
+__all__ = ["OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "cli", "count_params",
+           "estimate", "estimate_curve", "estimate_table", "human_bytes", "measure", "mlp", "model_spec",
+           "parse_count", "unit_for"]

@@ -1,0 +1,164 @@
+"""The ZeRO paper's per-rank memory formulas (Rajbhandari et al., 2020), for any world size."""
+from __future__ import annotations
+
+import functools
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Union
+
+from torch import nn
+
+from .. import strategies as _strategies
+
+MB = 1e6
+# optimizer: (bytes of state per parameter in fp32, K of the ZeRO paper under mixed precision)
+OPTIMIZERS = {"adam": (8, 12), "adamw": (8, 12), "momentum": (4, 8), "sgd": (0, 4)}
+_STAGES = {0: "plain DP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+_SUFFIX = {"": 1, "K": 10**3, "M": 10**6, "B": 10**9, "G": 10**9, "T": 10**12}
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-rank model-state bytes predicted by the ZeRO formulas, and the formula used."""
+
+    num_params: int
+    world_size: int
+    strategy: str
+    stage: int
+    precision: str
+    optimizer: str
+    params: int
+    grads: int
+    optimizer_state: int
+    formula: str
+
+    @property
+    def total(self) -> int:
+        """params + grads + optimizer state, in bytes."""
+        return self.params + self.grads + self.optimizer_state
+
+
+def count_params(model: nn.Module) -> int:
+    """Ψ: the number of parameters of ``model``, shared parameters counted once."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def parse_count(text: Union[str, int, float]) -> int:
+    """``"7.5B"``, ``"125M"``, ``"20007728"`` or a number -> a parameter count."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e\+?[0-9]+)?)\s*([KMBGT]?)\s*", str(text), re.I)
+    if not m or float(m.group(1)) * _SUFFIX[m.group(2).upper()] < 1:
+        raise ValueError(f"expected a positive parameter count such as 20007728, 125M or 7.5B, "
+                         f"got {text!r}")
+    return int(round(float(m.group(1)) * _SUFFIX[m.group(2).upper()]))
+
+
+def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size: int,
+             strategy: Union[str, int], precision: str = "fp32",
+             optimizer: str = "adam") -> Estimate:
+    """Per-rank bytes of params, grads and optimizer state under ZeRO stage ``strategy``.
+
+    ``strategy`` is a registered strategy name (its ZeRO stage is used) or a stage 0-3. With
+    Ψ parameters, N ranks, P/G bytes per parameter and gradient and K bytes of optimizer state per
+    parameter (``"bf16-mixed"`` Adam: P=G=2, K=12 -- fp32 master weights, momentum, variance --
+    the paper's case; ``"fp32"`` Adam: P=G=4, K=8)::
+
+        stage          formula            bf16-mixed Adam   fp32 Adam
+        0 (plain DP)   (P + G + K)Ψ       16Ψ               16Ψ
+        1 (ZeRO-1)     (P + G)Ψ + KΨ/N    4Ψ + 12Ψ/N        8Ψ + 8Ψ/N
+        2 (ZeRO-2)     PΨ + (G + K)Ψ/N    2Ψ + 14Ψ/N        4Ψ + 12Ψ/N
+        3 (ZeRO-3)     (P + G + K)Ψ/N     16Ψ/N             16Ψ/N
+
+    ``optimizer="momentum"`` (SGD with momentum) has K=4 in fp32 and 8 mixed; plain ``"sgd"`` 0 and
+    4 (the fp32 master copy).
+
+    Sharded parts use ceil(Ψ/N) parameters per rank. Activations, buffers and temporaries are not
+    part of the formulas.
+    """
+    if isinstance(model_or_num_params, nn.Module):
+        num = count_params(model_or_num_params)
+    elif isinstance(model_or_num_params, bool):
+        raise TypeError("model_or_num_params must be an nn.Module or a parameter count, got bool")
+    else:
+        num = parse_count(model_or_num_params)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    if isinstance(strategy, int) and not isinstance(strategy, bool):
+        if strategy not in _STAGES:
+            raise ValueError(f"a ZeRO stage must be 0, 1, 2 or 3, got {strategy}")
+        stage, name = strategy, _STAGES[strategy]
+    else:
+        stage, name = _strategies.get_strategy(strategy).zero_stage, strategy
+    if precision not in _strategies.PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(_strategies.PRECISIONS)}, "
+                         f"got {precision!r}")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    p = g = 4 if precision == "fp32" else 2
+    k = OPTIMIZERS[optimizer][0 if precision == "fp32" else 1]
+    shard = math.ceil(num / world_size)
+    params = p * (shard if stage == 3 else num)
+    grads = g * (shard if stage >= 2 else num)
+    state = k * (shard if stage >= 1 else num)
+    terms = [f"{p}Ψ" if stage < 3 else f"{p}Ψ/N", f"{g}Ψ" if stage < 2 else f"{g}Ψ/N",
+             f"{k}Ψ" if stage < 1 else f"{k}Ψ/N"]
+    full = sum(c for c, s in ((p, 3), (g, 2), (k, 1)) if stage < s)
+    short = " + ".join(x for x in (f"{full}Ψ" if full else "", f"{p + g + k - full}Ψ/N"
+                                   if full < p + g + k else "") if x)
+    formula = (f"{_STAGES[stage]}: {' + '.join(terms)} = {short} (ZeRO paper; {precision} "
+               f"{optimizer}: P={p}, G={g}, K={k} bytes per parameter; Ψ={num:,}, N={world_size})")
+    return Estimate(num, world_size, name, stage, precision, optimizer, params, grads, state,
+                    formula)
+
+
+def mlp(layers: int = 4, width: int = 2236) -> nn.Module:
+    """``layers`` x ``Linear(width, width)`` with ReLU between; 4x2236 has Ψ = 20,007,728."""
+    mods: List[nn.Module] = []
+    for i in range(layers):
+        mods += [nn.Linear(width, width)] + ([nn.ReLU()] if i < layers - 1 else [])
+    return nn.Sequential(*mods)
+
+
+def model_spec(spec: str):
+    """``"mlp:4x2236"`` -> a picklable model function; a count (``"7.5B"``) -> that int."""
+    m = re.fullmatch(r"mlp:(\d+)x(\d+)", spec.strip())
+    if m:
+        return functools.partial(mlp, int(m.group(1)), int(m.group(2)))
+    try:
+        return parse_count(spec)
+    except ValueError:
+        raise ValueError(f"--model takes mlp:LAYERSxWIDTH (e.g. mlp:4x2236) or a parameter count "
+                         f"(e.g. 7.5B), got {spec!r}") from None
+
+
+@dataclass
+class EstimateCurve:
+    """:func:`estimate` of several strategies over a range of world sizes; ``plot()`` draws it."""
+
+    num_params: int
+    precision: str
+    optimizer: str
+    world_sizes: List[int]
+    totals: Dict[str, List[int]] = field(default_factory=dict)  #: bytes per rank, per strategy
+
+    def plot(self, ax=None, mark: Optional[int] = None, measured=None):
+        """Log-log plot of per-rank model state against world size (needs matplotlib).
+
+        ``mark``: a vertical line at one world size; ``measured``: MemoryRecords drawn as crosses.
+        """
+        from ..ui.plots.memory import plot_estimate
+
+        return plot_estimate(self, ax=ax, mark=mark, measured=measured)
+
+
+def estimate_curve(num_params, strategies: Sequence[str] = ("ddp", "zero1", "fsdp_grad_op", "fsdp"),
+                   world_sizes: Optional[Sequence[int]] = None, precision: str = "fp32",
+                   optimizer: str = "adam") -> EstimateCurve:
+    """Per-rank model-state bytes of each strategy for each world size (default 1, 2, 4 ... 4096)."""
+    if not strategies:
+        raise ValueError("estimate_curve() needs at least one strategy name, e.g. ['ddp', 'fsdp']")
+    sizes = list(world_sizes or [2 ** i for i in range(13)])
+    psi = estimate(num_params, 1, 0, precision, optimizer).num_params
+    return EstimateCurve(psi, precision, optimizer, sizes, {
+        name: [estimate(num_params, n, name, precision, optimizer).total for n in sizes]
+        for name in strategies})

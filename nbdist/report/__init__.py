@@ -1,0 +1,7 @@
+"""Reports people read: numbers with their units, as HTML tables in notebooks and text elsewhere.
+
+Owns unit formatting and parsing (:mod:`.units`). Used by the runtime's status, the benchmark records
+and the memory report alike; plots take their formatters from here too.
+
+May import: the standard library only. Everything else may import it.
+"""

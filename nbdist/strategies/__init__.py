@@ -1,0 +1,58 @@
+"""Data-parallel strategies by name: wrap a model and its optimizer for the current rank.
+
+``wrap("fsdp", model, optimizer_fn)`` returns ``(model, optimizer)`` ready to train on this rank
+(CPU/gloo or CUDA/nccl), inside ``group.run(...)``. The registry maps each name to a wrapper, a
+one-line description and the ZeRO stage whose memory formula it follows
+(:func:`nbdist.memory.estimate`)::
+
+    ddp                torch DDP, everything replicated                         ZeRO-0 (plain DP)
+    zero1              DDP + torch ZeroRedundancyOptimizer (optimizer state)    ZeRO-1
+    fsdp_grad_op       torch FSDP1, SHARD_GRAD_OP (grads + optimizer state)     ZeRO-2
+    fsdp               torch FSDP1, FULL_SHARD (params, grads, state)           ZeRO-3
+    fsdp2              torch FSDP2 ``fully_shard`` (params, grads, state)       ZeRO-3
+    fairscale_oss      DDP + fairscale OSS                       (legacy path)  ZeRO-1
+    fairscale_sharded  fairscale OSS + ShardedDataParallel       (legacy path)  ZeRO-2
+    fairscale_fsdp     fairscale FullyShardedDataParallel (CUDA) (legacy path)  ZeRO-3
+
+``optimizer_fn`` builds the optimizer from parameters: an optimizer class (``torch.optim.Adam``), a
+``functools.partial(torch.optim.AdamW, lr=1e-3)`` or any ``params -> Optimizer`` callable. Extra
+``**options`` go to the strategy's main torch/fairscale object (named in each description).
+``precision="bf16-mixed"`` uses the strategy's own bf16 mixed precision (FSDP1, FSDP2, fairscale
+FSDP); strategies without one refuse it -- use ``torch.autocast`` in the step instead.
+
+FSDP1 and FSDP2 make each module that owns parameters its own FSDP unit (then the root), so one
+layer at a time is unsharded; pass ``auto_wrap_policy=`` (FSDP1) to choose otherwise.
+
+fairscale is an optional extra (``pip install nbdist[fairscale]``) and unmaintained upstream: its
+strategies are the legacy path, kept to compare with and to run older code; prefer the torch ones.
+Register your own with :func:`register_strategy`.
+"""
+from __future__ import annotations
+
+from . import fairscale, native
+from .fairscale import FAIRSCALE_HINT
+from .native import full_parameters
+from .registry import (PRECISIONS, Strategy, available_strategies, default_device, get_strategy,
+                       register_strategy, wrap)
+
+__all__ = ["FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
+           "full_parameters", "get_strategy", "register_strategy", "wrap"]
+
+register_strategy("ddp", native._wrap_ddp, "torch DistributedDataParallel, gradient_as_bucket_view=True; "
+                  "all replicated (options -> DDP)", 0)
+register_strategy("zero1", native._wrap_zero1, "DDP + torch ZeroRedundancyOptimizer: optimizer state "
+                  "sharded (options -> ZeroRedundancyOptimizer)", 1)
+register_strategy("fsdp_grad_op", native._wrap_fsdp_grad_op, "torch FSDP1 SHARD_GRAD_OP ~ ZeRO-2: grads "
+                  "and state sharded, params unsharded from forward to backward (options -> FSDP)",
+                  2, mixed_precision=True)
+register_strategy("fsdp", native._wrap_fsdp, "torch FSDP1 FULL_SHARD ~ ZeRO-3: params, grads and state "
+                  "sharded (options -> FSDP)", 3, mixed_precision=True)
+register_strategy("fsdp2", native._wrap_fsdp2, "torch FSDP2 fully_shard per module ~ ZeRO-3, DTensor "
+                  "parameters (options -> fully_shard)", 3, mixed_precision=True)
+register_strategy("fairscale_oss", fairscale._wrap_fairscale_oss, "legacy: DDP + fairscale OSS ~ ZeRO-1 "
+                  "(options -> OSS)", 1, legacy=True, check=fairscale.require)
+register_strategy("fairscale_sharded", fairscale._wrap_fairscale_sharded, "legacy: fairscale OSS + "
+                  "ShardedDataParallel ~ ZeRO-2 (options -> ShardedDataParallel)", 2, legacy=True, check=fairscale.require)
+register_strategy("fairscale_fsdp", fairscale._wrap_fairscale_fsdp, "legacy: fairscale "
+                  "FullyShardedDataParallel ~ ZeRO-3, CUDA only (options -> its FSDP)", 3,
+                  mixed_precision=True, legacy=True, check=fairscale.require)

@@ -1,0 +1,70 @@
+"""IPython magics: ``%load_ext nbdist``, then run cells on the ranks of a group.
+
+=====================  =================================================================
+``%dist_start``        start a group (``-n N``, ``--backend``, ``--device``, ``--timeout``)
+``%%dist``             run the cell on the ranks (``--ranks 0,2``, ``--timeout S``, ``-q``)
+``%dist statement``    the one-line form (end the options with ``--`` if needed)
+``%autodist``          every cell runs on the ranks until ``%autodist`` again
+``%dist_push a b``     copy kernel variables to the ranks; ``%dist_pull x [--rank R]`` back
+``%dist_status``       per-rank table; ``%dist_restart``, ``%dist_stop``
+=====================  =================================================================
+
+Each magic prints its help with ``%dist_start?``; wrong arguments raise ``UsageError``.
+
+The current group
+    The magics work on one *current group*: the one ``%dist_start`` started, or one started in
+    code and attached with :func:`use_group`. Code gets the same object from
+    :func:`current_group`, so ``g = current_group(); g.run(fn)`` and ``%%dist`` share the ranks.
+
+Output
+    What the ranks print arrives while the cell runs, in that cell, one ``[rank r]`` line each
+    (the group relays it in the context of the call, which ipykernel >= 7 routes to the cell that
+    made the call). The value of a cell's last expression is shown per rank, ``Out[rank r]:``,
+    with the object's rich representation where it has one.
+
+Adding magics (``%dist_bench``, ``%dist_mem``, ``%dist_ui``)
+    Another module subclasses :class:`NbdistMagics` (``self.group``, ``self.parse``), decorates
+    the class with IPython's ``@magics_class`` and with :func:`register_magics`. Registered classes
+    are loaded by ``%load_ext nbdist`` (and added at once to a shell that has it loaded already),
+    and removed by ``%unload_ext nbdist``.
+"""
+from __future__ import annotations
+
+from ...runtime.group import current_group, use_group
+from . import base
+from .base import NbdistMagics, register_magics, usage
+from .core import DistMagics  # registered first: the core magics
+from . import tools, widgets  # noqa: E402,F401,I001 -- register %dist_mem, %dist_bench, %dist_ui
+
+__all__ = ["DistMagics", "NbdistMagics", "current_group", "load_ipython_extension",
+           "register_magics", "unload_ipython_extension", "usage", "use_group"]
+
+
+def load_ipython_extension(shell) -> None:
+    """Register the magics of every registered class; loading again changes nothing.
+
+    Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
+    """
+    from ...runtime.launcher import prewarm
+
+    prewarm()
+    for cls in base._magic_classes:
+        if cls.__name__ not in shell.magics_manager.registry:
+            shell.register_magics(cls)
+
+
+def unload_ipython_extension(shell) -> None:
+    """Remove the magics, turn ``%autodist`` off and stop the groups the magics started."""
+    for cls in base._magic_classes:
+        magics = shell.magics_manager.registry.pop(cls.__name__, None)
+        if magics is None:
+            continue
+        if isinstance(magics, DistMagics):
+            magics.autodist_off()
+        for kind in ("line", "cell"):
+            for name in magics.magics[kind]:
+                shell.magics_manager.magics[kind].pop(name, None)
+    for group in list(base._started):
+        group.stop()
+    if current_group() is not None and current_group().state == "stopped":
+        use_group(None)

@@ -1,0 +1,10 @@
+"""The wire: how bytes move between the notebook and its ranks.
+
+Owns the authenticated control channel and its framing (:mod:`.transport`), pickling by value with
+CPU tensors through shared memory (:mod:`.serialize`), the segment files themselves
+(:mod:`.segments`) and the pool of reusable result segments (:mod:`.pool`), and the relay of every
+rank's stdout/stderr, which also carries the one-byte interrupt/kill commands (:mod:`.relay`).
+
+May import: :mod:`nbdist.errors`, the standard library, cloudpickle, torch (lazily). Knows nothing of
+groups, backends or training.
+"""

@@ -1,0 +1,88 @@
+"""Shared-memory segment files: where they live, how they are named, written and removed.
+
+Every segment nbdist creates is a file ``nbdist-<group id>-<who>-...`` in ``/dev/shm`` (a temp dir
+where there is none), so a group can remove everything it made, and the next start on the machine can
+remove what a caller killed by SIGKILL left behind (:func:`sweep_orphans`).
+"""
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import tempfile
+from typing import List
+
+SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+SHM_MIN_BYTES = 1 << 16
+
+
+def shm_prefix(group_id: str, who: str) -> str:
+    """The file-name prefix for segments a group's member ``who`` creates."""
+    return os.path.join(SHM_DIR, f"nbdist-{group_id}-{who}-")
+
+
+def leftover_segments(group_id: str) -> List[str]:
+    """Segment files of group ``group_id`` that still exist."""
+    return glob.glob(os.path.join(SHM_DIR, f"nbdist-{group_id}-*"))
+
+
+def remove_segments(paths) -> None:
+    """Unlink segment files, ignoring those already gone."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def write_all(fd: int, view: memoryview) -> None:
+    """Write all of ``view`` to ``fd``. Into tmpfs, write() allocates pages in bulk: faster than
+    faulting them in through an mmap, and one copy only."""
+    done = 0
+    while done < len(view):
+        done += os.write(fd, view[done:done + (1 << 30)])
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive
+    return True
+
+
+def _ours(path: str) -> bool:
+    try:
+        return os.stat(path).st_uid == os.getuid()
+    except OSError:
+        return False
+
+
+def sweep_orphans() -> List[str]:
+    """Remove what groups of callers that were killed (SIGKILL: no cleanup ran) left behind: their
+    temp dir ``nbdist-<id>-p<pid>-*`` and their segments ``nbdist-<id>-*``. Returns what it removed.
+
+    Only this user's files are touched: on a shared machine (JupyterHub, a lab server) another
+    user's leftovers in the sticky ``/dev/shm`` are theirs to remove, and never stop a start.
+    """
+    removed: List[str] = []
+    for path in glob.glob(os.path.join(tempfile.gettempdir(), "nbdist-*-p*-*")):
+        parts = os.path.basename(path).split("-")
+        if len(parts) < 4 or not parts[2][1:].isdigit() or not _ours(path):
+            continue
+        pid = int(parts[2][1:])
+        if pid == os.getpid() or _alive(pid):
+            continue
+        for seg in leftover_segments(parts[1]):
+            if not _ours(seg):
+                continue
+            try:
+                os.unlink(seg)
+                removed.append(seg)
+            except OSError:  # gone meanwhile, or not ours to remove after all
+                pass
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
