@@ -18,6 +18,12 @@ from __future__ import annotations
 from typing import Dict, List, Optional, Sequence
 
 
+def ranks_phrase(ranks) -> str:
+    """``[3]`` -> ``"rank 3"``, ``[0, 2]`` -> ``"ranks 0, 2"``: how every message names ranks."""
+    ranks = sorted(ranks)
+    return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
+
+
 class NbdistError(Exception):
     """Base class of every error nbdist raises on purpose."""
 
@@ -49,9 +55,7 @@ class RemoteError(NbdistError):
         self.results = results
         self.world_size = world_size
         root = self.root_cause
-        ranks = ", ".join(str(r) for r in self.failures)
-        head = (f"{root.type_name} on rank{'s' if len(self.failures) > 1 else ''} {ranks}: "
-                f"{root.message}")
+        head = f"{root.type_name} on {ranks_phrase(self.failures)}: {root.message}"
         if len(self.failures) > 1:
             head += f"\n(root cause: rank {root.rank}, the first failure observed)"
         self.hint = hint_for(" ".join(f.message for f in self.failures.values()))

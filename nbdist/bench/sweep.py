@@ -9,6 +9,7 @@ from __future__ import annotations
 import statistics
 from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
+from ..errors import ranks_phrase
 from .records import FIELDS, Records
 from .units import (MiB, bandwidths, format_bytes, parse_ops, parse_size, parse_sizes,
                     percentile)
@@ -51,7 +52,7 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     if bad:
         ranks = [r for r, _ in bad]
         rec.update(status="unsupported", verified=None,
-                   note=f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}: "
+                   note=f"{ranks_phrase(ranks)}: "
                         f"{bad[0][1]['note']}")
         return rec
     timed = [res["times"] for res in results if res["times"]]
@@ -63,8 +64,8 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     rec["algbw_GBps"], rec["busbw_GBps"] = bandwidths(op, rec["bytes"], rec["mean_s"],
                                                       meta["world_size"])
     wrong = [r for r, res in enumerate(results) if res["verified"] is False]
-    note = (f"the result differed from the expected values on rank{'s' if len(wrong) > 1 else ''} "
-            f"{', '.join(map(str, wrong))}") if wrong else None
+    note = (f"the result differed from the expected values on {ranks_phrase(wrong)}"
+            if wrong else None)
     rec.update(status="wrong" if wrong else "ok", verified=not wrong, note=note)
     return rec
 

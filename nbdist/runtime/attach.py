@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Dict, List, Optional, Tuple
 
 from ..wire import transport
-from ..errors import DistTimeoutError
+from ..errors import DistTimeoutError, ranks_phrase
 from .launcher import Rank, _on_control
 from ..wire.relay import OutputPump
 
@@ -126,7 +126,7 @@ def attach_workers(listener, key: bytes, world_size: int, config: Dict, pump: Ou
                 missing = [r for r in range(world_size) if r not in ranks
                            or ranks[r].state != "idle"]
                 raise DistTimeoutError(
-                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                    f"{ranks_phrase(missing)} did not "
                     f"join within {join_timeout:.0f} s; {len(ranks)} of {world_size} connected. "
                     "Check that the launcher command ran on every node and can reach this "
                     "address.", missing)

@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional
 from ..wire import serialize, transport
 from ..wire.segments import remove_segments
 from . import launcher
-from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
+from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError, ranks_phrase,
                      RemoteFailure, hint_for)
 
 
@@ -83,7 +83,7 @@ class CallEngine:
                     waiting = sorted(pending)
                     killed = self._stop_pending(pending, replies, seq)
                     raise DistTimeoutError(
-                        f"rank{'s' if len(waiting) > 1 else ''} {', '.join(map(str, waiting))} "
+                        f"{ranks_phrase(waiting)} "
                         f"still running after {timeout:g} s; {self._after_stop_text(killed)}",
                         waiting)
                 self._poll(remaining, pending, replies, dead, seq)
@@ -91,8 +91,7 @@ class CallEngine:
             waiting = set(pending)
             killed = self._stop_pending(pending, replies, seq)
             raise GroupInterrupted(
-                f"interrupted rank{'s' if len(waiting) > 1 else ''} "
-                f"{', '.join(map(str, sorted(waiting)))}; {self._after_stop_text(killed)}",
+                f"interrupted {ranks_phrase(waiting)}; {self._after_stop_text(killed)}",
                 sorted(waiting - set(killed)), killed) from None
         if dead:
             self._on_death(dead, pending, replies, seq)
@@ -180,7 +179,7 @@ class CallEngine:
             return "stopped on SIGINT; the group is still usable."
         how = "it restarts on the next call (auto_restart)" if self._opts["auto_restart"] else \
             "call restart() to bring it back"
-        return (f"rank{'s' if len(killed) > 1 else ''} {', '.join(map(str, killed))} did not "
+        return (f"{ranks_phrase(killed)} did not "
                 f"react within {self._opts['grace']:g} s (blocked inside a collective?) and "
                 f"{'were' if len(killed) > 1 else 'was'} killed; the group is broken: {how}.")
 

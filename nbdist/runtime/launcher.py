@@ -11,15 +11,10 @@ and a notebook behave the same.
 """
 from __future__ import annotations
 
-import contextlib
-import multiprocessing as mp
 import os
 import selectors
 import socket
-import sys
-import threading
 import time
-import types
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -27,42 +22,16 @@ import cloudpickle
 
 from ..wire import transport
 from ..backends import BackendChoice
-from ..errors import DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure
+from ..errors import (DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure,
+                      ranks_phrase)
 from ..wire.relay import OutputPump
+from .forkserver import main_hidden, mp_context, prewarm  # noqa: F401 -- prewarm: documented here
 
 
 #: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
 #: the runtime does not import the layers above it). Lightning's guards only install an import hook:
 #: Lightning itself is patched if and when code on the rank imports it.
 RANK_HOOKS = ("nbdist.lightning.guards:install_hooks",)
-
-
-def mp_context():
-    """forkserver (torch preloaded) where available, spawn elsewhere (Windows)."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["nbdist.runtime.worker"])
-        return ctx
-    return mp.get_context("spawn")
-
-
-def prewarm(background: bool = True) -> None:
-    """Start the forkserver (and its torch import, about a second) now, so the first group starts
-    fast. ``%load_ext nbdist`` calls this in the background. No-op where there is no forkserver."""
-    ctx = mp_context()
-    if ctx.get_start_method() != "forkserver":
-        return
-
-    def run():
-        from multiprocessing import forkserver
-
-        with _main_hidden():
-            forkserver.ensure_running()
-
-    if background:
-        threading.Thread(target=run, name="nbdist-prewarm", daemon=True).start()
-    else:
-        run()
 
 
 def loopback_interface() -> Optional[str]:
@@ -75,18 +44,6 @@ def loopback_interface() -> Optional[str]:
         if candidate in names:
             return candidate
     return None
-
-
-@contextlib.contextmanager
-def _main_hidden():
-    """Make multiprocessing see a ``__main__`` without a file, so children don't re-import it."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
-    try:
-        yield
-    finally:
-        if main is not None:
-            sys.modules["__main__"] = main
 
 
 @dataclass
@@ -164,7 +121,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
                    "rank_hooks": RANK_HOOKS,
                    "env": rank_env(env, r, world_size, port)}
             proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
-            with _main_hidden():
+            with main_hidden():
                 proc.start()
             ranks.append(Rank(r, proc, pid=proc.pid))
         _wait_ready(ranks, listener, key, pump, init_timeout)
@@ -193,7 +150,7 @@ def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: Ou
             if remaining <= 0:
                 missing = [r.rank for r in ranks if r.state != "idle"]
                 raise DistTimeoutError(
-                    f"rank{'s' if len(missing) > 1 else ''} {', '.join(map(str, missing))} did not "
+                    f"{ranks_phrase(missing)} did not "
                     f"finish starting within {init_timeout:.0f} s (connected to the controller: "
                     f"{[r.rank for r in ranks if r.channel is not None]}). "
                     "Raise init_timeout=, or check the ranks' stderr above.", missing)
@@ -229,8 +186,8 @@ def _raise_start_failure(ranks: List[Rank], failures: Dict[int, RemoteFailure],
             + (f"still alive, pid {r.pid}: stuck before or inside the rendezvous"
                if r.exitcode is None else f"exit code {r.exitcode}") + ")."
             for r in absent)
-        raise NbdistError(f"torch.distributed could not be initialised on rank"
-                          f"{'s' if len(failures) > 1 else ''} {', '.join(map(str, failures))}: "
+        raise NbdistError(f"torch.distributed could not be initialised on "
+                          f"{ranks_phrase(failures)}: "
                           f"{err.root_cause.type_name}: {err.root_cause.message}.{why}") from err
 
 

@@ -45,7 +45,7 @@ def load_ipython_extension(shell) -> None:
 
     Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
     """
-    from ...runtime.launcher import prewarm
+    from ...runtime.forkserver import prewarm
 
     prewarm()
     for cls in base._magic_classes:
