@@ -11,6 +11,7 @@ import multiprocessing as mp
 import sys
 import threading
 import types
+from typing import Optional
 
 
 def mp_context():
@@ -41,15 +42,36 @@ def prewarm(background: bool = True) -> None:
         run()
 
 
+class _Hidden:
+    """Who is hiding ``__main__`` now: the first to enter saves the real one, the last to leave puts
+    it back, so overlapping swaps (the pre-warm thread and a group starting) can't leave the
+    stand-in installed for good."""
+
+    lock = threading.Lock()
+    count = 0
+    real: Optional[types.ModuleType] = None
+
+
 @contextlib.contextmanager
 def main_hidden():
-    """Make multiprocessing see a ``__main__`` without a file, so children don't re-import it."""
-    main = sys.modules.get("__main__")
-    sys.modules["__main__"] = types.ModuleType("__main__")
+    """Make multiprocessing see a ``__main__`` without a file, so children don't re-import it.
+
+    Safe from several threads at once and nested: everyone inside sees the stand-in until the last
+    one leaves.
+    """
+    with _Hidden.lock:
+        if _Hidden.count == 0:
+            _Hidden.real = sys.modules.get("__main__")
+            sys.modules["__main__"] = types.ModuleType("__main__")
+        _Hidden.count += 1
     try:
         yield
     finally:
-        if main is not None:
-            sys.modules["__main__"] = main
-
-
+        with _Hidden.lock:
+            _Hidden.count -= 1
+            if _Hidden.count == 0:
+                if _Hidden.real is None:
+                    sys.modules.pop("__main__", None)
+                else:
+                    sys.modules["__main__"] = _Hidden.real
+                _Hidden.real = None
