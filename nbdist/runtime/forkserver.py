@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import signal
 import sys
 import threading
 import types
@@ -18,28 +19,47 @@ def mp_context():
     """forkserver (torch preloaded) where available, spawn elsewhere (Windows)."""
     if "forkserver" in mp.get_all_start_methods():
         ctx = mp.get_context("forkserver")
-        ctx.set_forkserver_preload(["nbdist.runtime.worker"])
+        ctx.set_forkserver_preload(["nbdist.runtime.preload"])  # the worker module, torch
         return ctx
     return mp.get_context("spawn")
 
 
-def prewarm(background: bool = True) -> None:
+def prewarm(background: bool = True) -> Optional[threading.Thread]:
     """Start the forkserver (and its torch import, about a second) now, so the first group starts
-    fast. ``%load_ext nbdist`` calls this in the background. No-op where there is no forkserver."""
+    fast. ``%load_ext nbdist`` calls this in the background (the thread is returned). No-op where
+    there is no forkserver.
+
+    The forkserver starts with SIGINT blocked, and ignores it from its first import on
+    (:mod:`nbdist.runtime.preload`): an "interrupt kernel" or a kernel shutdown during its imports
+    neither kills it nor prints a ``KeyboardInterrupt`` traceback.
+    """
     ctx = mp_context()
     if ctx.get_start_method() != "forkserver":
-        return
+        return None
 
     def run():
-        from multiprocessing import forkserver
+        from multiprocessing import forkserver, resource_tracker
 
-        with main_hidden():
+        resource_tracker.ensure_running()  # first: it blocks and unblocks signals by itself
+        with _sigint_blocked(), main_hidden():
             forkserver.ensure_running()
 
-    if background:
-        threading.Thread(target=run, name="nbdist-prewarm", daemon=True).start()
-    else:
+    if not background:
         run()
+        return None
+    thread = threading.Thread(target=run, name="nbdist-prewarm", daemon=True)
+    thread.start()
+    return thread
+
+
+@contextlib.contextmanager
+def _sigint_blocked():
+    """Hold SIGINT back in this thread (only), and so in the processes it starts meanwhile."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 class _Hidden:

@@ -1,6 +1,10 @@
 """nbdist.runtime.forkserver: the hidden ``__main__`` while workers (or the forkserver) start."""
 from __future__ import annotations
 
+import json
+import os
+import pathlib
+import subprocess
 import sys
 import threading
 
@@ -67,3 +71,56 @@ def test_main_hidden_nested_and_after_an_error():
             assert sys.modules["__main__"] is not real
             raise RuntimeError("inside")
     assert sys.modules["__main__"] is real
+
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+SIGINT_BIT = 1 << (2 - 1)  # SIGINT is signal 2 in /proc/<pid>/status masks
+
+PREWARM_THEN_FORK = """
+import json, shutil, signal, sys
+from multiprocessing import forkserver
+from nbdist.runtime.forkserver import main_hidden, mp_context, prewarm
+
+prewarm().join(60)
+child = mp_context().Process(target=shutil.copyfile, args=("/proc/self/status", sys.argv[1]))
+with main_hidden():
+    child.start()  # answered once the forkserver has imported torch
+child.join(60)
+with open(f"/proc/{forkserver._forkserver._forkserver_pid}/status") as status:
+    server = status.read()
+print(json.dumps({"server": server, "exitcode": child.exitcode,
+                  "blocked_here": signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []),
+                  "handler_here": signal.getsignal(signal.SIGINT) is signal.default_int_handler}))
+"""
+
+
+def _masks(status: str) -> dict:
+    return {k: int(v, 16) for k, v in (line.split(":\t") for line in status.splitlines()
+                                      if line.startswith(("SigBlk", "SigIgn")))}
+
+
+@pytest.mark.timeout(120)
+def test_prewarmed_forkserver_ignores_sigint_and_its_children_do_not_inherit_a_block(tmp_path):
+    """prewarm() starts the forkserver with SIGINT blocked (Ctrl-C during its start-up is held
+    back); nbdist.runtime.preload ignores it and unblocks it, so workers can be interrupted."""
+    child_status = tmp_path / "child-status"
+    out = subprocess.run([sys.executable, "-c", PREWARM_THEN_FORK, str(child_status)],
+                         capture_output=True, text=True, timeout=100,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["exitcode"] == 0
+    assert not report["blocked_here"] and report["handler_here"]  # the caller is as it was
+    server = _masks(report["server"])
+    assert server["SigIgn"] & SIGINT_BIT and not server["SigBlk"] & SIGINT_BIT
+    assert not _masks(child_status.read_text())["SigBlk"] & SIGINT_BIT
+
+
+@pytest.mark.timeout(120)
+def test_importing_the_preload_elsewhere_changes_no_signal_handling():
+    code = ("import signal, nbdist.runtime.preload\n"
+            "assert signal.getsignal(signal.SIGINT) is signal.default_int_handler\n"
+            "print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.stdout.strip() == "ok", out.stderr

@@ -1,0 +1,20 @@
+"""What nbdist's forkserver imports before it serves: the worker module, and torch with it.
+
+Jupyter's "interrupt kernel" and "shut down kernel" send SIGINT to the kernel's whole process
+group, and the forkserver is in it. While it imports torch (a second or two after
+``%load_ext nbdist``) such a SIGINT would kill it with a ``KeyboardInterrupt`` traceback in the
+kernel's log. :func:`nbdist.runtime.forkserver.prewarm` therefore starts the forkserver with SIGINT
+blocked (which covers Python's own start-up), and this module, first thing, ignores SIGINT (the
+forkserver ignores it anyway once it serves) and unblocks it, so the workers it forks don't inherit
+the block: each worker sets its own SIGINT handling (:mod:`nbdist.runtime.worker`).
+
+In a process that did not start with SIGINT blocked, importing this module changes nothing.
+"""
+import signal
+
+if hasattr(signal, "pthread_sigmask") and \
+        signal.SIGINT in signal.pthread_sigmask(signal.SIG_BLOCK, []):
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # drops a SIGINT that came during start-up
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+
+from . import worker  # noqa: E402,F401 -- the point of the preload: torch, imported once
