@@ -14,7 +14,8 @@ import sys as _sys
 from .backends import available_backends, register_backend, resolve_backend
 from .errors import (BackendError, DistTimeoutError, GroupClosedError, GroupInterrupted,
                      NbdistError, RankDiedError, RemoteError)
-from .runtime.group import Group, attach, current_group, launch, start, stop_all, use_group
+from .runtime.api import attach, launch, start, stop_all
+from .runtime.group import Group, current_group, use_group
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 

@@ -15,6 +15,7 @@ User mistakes in arguments (a world size of 0, a device name nbdist does not kno
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Dict, List, Optional, Sequence
 
 
@@ -103,7 +104,7 @@ class RemoteFailure:
 
 
 class RankDiedError(NbdistError):
-    """A worker process died: ``deaths`` maps rank to ``(exitcode, stderr_tail)``."""
+    """A worker process died: ``deaths`` maps rank to ``(ExitStatus, stderr_tail)``."""
 
     def __init__(self, deaths: Dict[int, tuple], detail: str = "", advice: str = ""):
         self.deaths = dict(sorted(deaths.items()))
@@ -148,14 +149,31 @@ class GroupInterrupted(NbdistError):
         super().__init__(message)
 
 
+@dataclass(frozen=True)
+class ExitStatus:
+    """How a rank's process ended: its exit ``code`` (negative: killed by signal ``-code``), or
+    ``lost`` for a rank on another host whose connection broke (its exit code is unknown here)."""
+
+    code: Optional[int] = None
+    lost: bool = False
+
+    def describe(self) -> str:
+        """``exited with code 3`` / ``was killed by SIGKILL (exit code -9)`` / ``lost ...``."""
+        return describe_exit(self)
+
+
 def describe_exit(code) -> str:
-    """Turn a process exit code into words: ``exited with code 3`` / ``was killed by SIGKILL``."""
+    """Turn an exit code (or an :class:`ExitStatus`) into words: ``exited with code 3`` /
+    ``was killed by SIGKILL``."""
     import signal
 
+    if isinstance(code, ExitStatus):
+        if code.lost:
+            return ("lost its connection to the controller (the process died or its host is "
+                    "unreachable)")
+        code = code.code
     if code is None:
         return "died (exit status unknown)"
-    if code == "lost":
-        return "lost its connection to the controller (the process died or its host is unreachable)"
     if code < 0:
         try:
             name = signal.Signals(-code).name

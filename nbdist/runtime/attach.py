@@ -1,68 +1,149 @@
 """Ranks on other hosts: the notebook listens, torchrun or srun starts ``python -m nbdist.worker``.
 
-The caller opens the control listener on an address the user chose (loopback unless told
-otherwise), writes the group key to a file readable only by its owner, prints the commands to run
-on the nodes, and waits -- with a progress bar and a deadline -- until every rank has connected.
-The rendezvous is a ``TCPStore`` hosted by the caller (torch binds it to all interfaces: the
-documented trust model is "anyone who reaches the port can try; only key holders get in").
+:class:`AttachLauncher` opens the control listener on an address the user chose (loopback unless
+told otherwise), writes the group key to a file readable only by its owner, prints the commands to
+run on the nodes, and waits -- with a progress bar and a deadline -- until every rank has connected
+and initialised torch.distributed. The rendezvous is a ``TCPStore`` hosted by the caller (torch
+binds it to all interfaces: the documented trust model is "anyone who reaches the port can try;
+only key holders get in").
 """
 from __future__ import annotations
 
 import os
-import selectors
 import shlex
 import sys
 import tempfile
-import threading
-import time
 from datetime import timedelta
-from typing import Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
+from ..backends import BackendChoice, resolve_backend
+from ..errors import ranks_phrase
 from ..wire import transport
-from ..errors import DistTimeoutError, ranks_phrase
-from .launcher import Rank, _on_control
-from ..wire.relay import OutputPump
+from ..wire.relay import OutputRelay
+from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
+from .ranks import Rank, RemoteProcess
+from .ready import Admission, accept_until_ready
+
+RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher (torchrun/srun); "
+                   "nbdist cannot restart them. Call stop(), then nbdist.attach() again and re-run "
+                   "the launcher command.")
 
 
-class RemoteProcess:
-    """Stands in for ``multiprocessing.Process`` for a rank nbdist did not start itself.
+class AttachLauncher(Launcher):
+    """Ranks started elsewhere by torchrun/srun join a group this process listens for."""
 
-    It has no sentinel: the rank is alive while its streams are connected. ``exitcode`` is
-    ``None`` while connected, ``0`` after a clean stop and ``"lost"`` when the connection broke.
-    """
+    attached = True
+    restart_refusal = RESTART_REFUSAL
 
-    sentinel = None
+    def __init__(self, address: Tuple[str, int], key_file: Optional[str] = None,
+                 join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
+                 progress: bool = True):
+        self.address, self.key_file, self.own_key_file = address, key_file, key_file is None
+        self.join_timeout, self.nproc_per_node, self.progress = join_timeout, nproc_per_node, progress
+        self.commands: Dict[str, str] = {}
 
-    def __init__(self, rank: int, pid: int, host: str, pump: OutputPump):
-        self.rank, self.pid, self.host, self._pump = rank, pid, host, pump
-        self._gone = threading.Event()
-        self._code = "lost"
+    def choose(self, opts: Dict[str, Any]) -> BackendChoice:
+        """Named backends are checked here; ``"auto"`` is resolved by the ranks on their hardware."""
+        if opts["backend"] in (None, "", "auto"):
+            return BackendChoice("auto", opts["device"] or "auto")
+        return resolve_backend(opts["backend"], "cpu" if opts["device"] in (None, "auto")
+                               else opts["device"])
 
-    @property
-    def exitcode(self):
-        """``None`` while the rank is connected, else 0 or ``"lost"``."""
-        return self._code if self._gone.is_set() else None
+    def launch(self, group_id, choice, opts, threads, tmp, relay):
+        """Listen, print the commands, wait for every rank; the TCPStore is returned to keep."""
+        import torch.distributed as dist
 
-    def expect_exit(self) -> None:
-        """We asked the rank to stop: its streams closing then means exit code 0."""
-        self._code = 0
+        ws = opts["world_size"]
+        listener = transport.listen(*self.address)
+        key = transport.new_key()
+        try:
+            host, port = listener.getsockname()[:2]
+            self.key_file = write_key(key, self.key_file)
+            self.commands = commands(host, port, self.key_file, ws, self.nproc_per_node)
+            if self.progress:
+                print(f"nbdist: waiting for {ws} ranks on {host}:{port} (key in {self.key_file}; "
+                      f"copy it to the nodes, mode 0600). Start them with\n"
+                      f"  {self.commands['torchrun']}\nor\n  {self.commands['srun']}")
+            store = dist.TCPStore(host, 0, ws, is_master=True, wait_for_workers=False,
+                                  timeout=timedelta(seconds=float(opts["timeout"])))
+            config = {"backend": choice.backend, "device": choice.device,
+                      "timeout": float(opts["timeout"]), "threads": threads,
+                      "custom_backends": custom_backend_blobs(choice), "rank_hooks": RANK_HOOKS,
+                      "store_tcp": (host, store.port),
+                      "env": dict(opts["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+                                                        if opts["debug"] else {}))}
+            admission = _Remote(ws, config, relay, self.progress)
+            ranks: Dict[int, Rank] = {}
+            try:
+                ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
+                                           admission)
+            except BaseException:
+                from .ranks import kill_all
 
-    def streams_closed(self) -> None:
-        """The rank's streams reached EOF: it is gone."""
-        self._gone.set()
+                kill_all(ranks.values(), join=1.0)
+                raise
+            finally:
+                admission.close()
+            return ready, store
+        finally:
+            listener.close()
 
-    def kill(self) -> None:
-        """Ask the worker's watchdog to SIGKILL its own process."""
-        self._pump.send(self.rank, b"K")
+    def cleanup(self) -> None:
+        """Remove the key file if nbdist made it."""
+        if self.own_key_file and self.key_file:
+            try:
+                os.unlink(self.key_file)
+            except FileNotFoundError:
+                pass
 
-    def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until the rank's streams are closed."""
-        self._pump.wait_eof(self.rank, 3600.0 if timeout is None else timeout)
-        if self._pump.eof_seen(self.rank):
-            self._gone.set()
 
-    def close(self) -> None:
-        """Nothing to release (kept for the ``multiprocessing.Process`` interface)."""
+class _Remote(Admission):
+    """Admission of ranks started elsewhere: world size checked, duplicates refused, config sent."""
+
+    def __init__(self, world_size: int, config: Dict[str, Any], relay: OutputRelay,
+                 progress: bool):
+        self.world_size, self.config, self.relay = world_size, config, relay
+        self.bar = _bar(world_size, progress)
+
+    def control(self, hello, conn, ranks):
+        rank = int(hello["rank"])
+        if int(hello.get("world_size", self.world_size)) != self.world_size:
+            print(f"nbdist: refused rank {rank} from {hello.get('host')}: it was started with "
+                  f"WORLD_SIZE={hello.get('world_size')}, this group expects {self.world_size}.",
+                  file=sys.stderr)
+            return None
+        if rank in ranks:
+            _refuse_twice(rank, "control", hello)
+            return None
+        proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")),
+                             self.relay)
+        r = Rank(rank, proc, channel=transport.Channel(conn))
+        r.channel.send(("config", -1, self.config))
+        return r
+
+    def stream(self, hello, role, relay):
+        if relay.has(int(hello["rank"]), role):
+            _refuse_twice(int(hello["rank"]), role, hello)
+            return False
+        return True
+
+    def timed_out(self, missing, ranks, timeout):
+        return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
+                f"{self.world_size} connected. Check that the launcher command ran on every node "
+                "and can reach this address.")
+
+    def joined(self, rank):
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _refuse_twice(rank: int, role: str, hello) -> None:
+    print(f"nbdist: refused a second rank {rank} ({role}) from {hello.get('host')}: that rank has "
+          "already joined (was the launcher command run twice?).", file=sys.stderr)
 
 
 def parse_listen(listen: str) -> Tuple[str, int]:
@@ -100,83 +181,6 @@ def commands(host: str, port: int, key_file: str, world_size: int,
                      f"--rdzv-endpoint=<FIRST_NODE_HOST>:29400 {worker}"),
         "srun": f"srun --ntasks={world_size} --ntasks-per-node={nproc} python {worker}",
     }
-
-
-def attach_workers(listener, key: bytes, world_size: int, config: Dict, pump: OutputPump,
-                   join_timeout: float, progress: bool = True) -> Tuple[List[Rank], object]:
-    """Wait for ``world_size`` remote ranks, send them ``config``, wait until all are ready."""
-    import torch.distributed as dist
-
-    host = listener.getsockname()[0]
-    store = dist.TCPStore(host, 0, world_size, is_master=True, wait_for_workers=False,
-                          timeout=timedelta(seconds=config["timeout"]))
-    config = dict(config, store_tcp=(host, store.port))
-    ranks: Dict[int, Rank] = {}
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, ("listen", -1))
-    bar = _bar(world_size, progress)
-    deadline = time.monotonic() + join_timeout
-    failures: Dict = {}
-    dead: Dict = {}
-    try:
-        while (len(ranks) < world_size or any(r.state != "idle" for r in ranks.values())) \
-                and not failures and not dead:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [r for r in range(world_size) if r not in ranks
-                           or ranks[r].state != "idle"]
-                raise DistTimeoutError(
-                    f"{ranks_phrase(missing)} did not "
-                    f"join within {join_timeout:.0f} s; {len(ranks)} of {world_size} connected. "
-                    "Check that the launcher command ran on every node and can reach this "
-                    "address.", missing)
-            for key_, _ in sel.select(remaining):
-                what, idx = key_.data
-                if what == "listen":
-                    _accept_remote(listener, key, world_size, ranks, pump, sel, config, bar)
-                else:
-                    _on_control(ranks[idx], sel, failures, dead)
-    finally:
-        sel.close()
-        if bar is not None:
-            bar.close()
-    if failures or dead:
-        from .launcher import _raise_start_failure
-
-        _raise_start_failure(list(ranks.values()), failures, dead, pump)
-    return [ranks[r] for r in range(world_size)], store
-
-
-def _accept_remote(listener, key, world_size, ranks, pump, sel, config, bar) -> None:
-    conn, _ = listener.accept()
-    try:
-        hello = transport.server_handshake(conn, key, timeout=5.0)
-        rank, role = int(hello["rank"]), hello["role"]
-        if not 0 <= rank < world_size or role not in ("control", "stdout", "stderr"):
-            raise transport.AuthenticationError(f"unexpected hello {hello!r}")
-        if role == "control" and int(hello.get("world_size", world_size)) != world_size:
-            print(f"nbdist: refused rank {rank} from {hello.get('host')}: it was started with "
-                  f"WORLD_SIZE={hello.get('world_size')}, this group expects {world_size}.",
-                  file=sys.stderr)
-            raise transport.AuthenticationError("world size mismatch")
-    except (transport.AuthenticationError, KeyError, ValueError, TypeError):
-        conn.close()
-        return
-    if (role == "control" and rank in ranks) or (role != "control" and pump.has(rank, role)):
-        print(f"nbdist: refused a second rank {rank} ({role}) from {hello.get('host')}: that "
-              "rank has already joined (was the launcher command run twice?).", file=sys.stderr)
-        conn.close()
-        return
-    if role != "control":
-        pump.add(rank, role, conn)
-        return
-    proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")), pump)
-    r = Rank(rank, proc, channel=transport.Channel(conn), pid=proc.pid)
-    ranks[rank] = r
-    r.channel.send(("config", -1, config))
-    sel.register(conn, selectors.EVENT_READ, ("ctl", rank))
-    if bar is not None:
-        bar.update(1)
 
 
 def _bar(total: int, enabled: bool):

@@ -1,35 +1,36 @@
-"""``Group``: a persistent set of worker processes with torch.distributed initialised.
+"""``Group``: a persistent set of ranks with torch.distributed initialised, and the calls on it.
 
 Calls are synchronous: the same request goes to every chosen rank and the caller waits for all
-replies while watching each worker's process sentinel. So a rank that dies is reported at once
-(:class:`RankDiedError`), a deadline gives :class:`DistTimeoutError`, and Ctrl-C / the notebook's
-interrupt button interrupts the ranks (SIGINT), kills those still blocked after a short grace
-period, and raises :class:`GroupInterrupted`. A Python error on a rank raises :class:`RemoteError`
-with the remote traceback and leaves the group usable.
+replies while watching each worker's process sentinel (see :mod:`nbdist.runtime.calls`). So a rank
+that dies is reported at once (:class:`RankDiedError`), a deadline gives :class:`DistTimeoutError`,
+and Ctrl-C / the notebook's interrupt button interrupts the ranks (SIGINT), kills those still
+blocked after a short grace period, and raises :class:`GroupInterrupted`. A Python error on a rank
+raises :class:`RemoteError` with the remote traceback and leaves the group usable.
+
+The group is the only writer of its own state (``ready`` / ``busy`` / ``broken`` / ``stopped``);
+see :mod:`nbdist.runtime` for which thread owns what.
 """
 from __future__ import annotations
 
-import atexit
+import contextvars
 import itertools
 import os
-import queue
 import secrets
-import selectors
+import sys
 import shutil
-import socket
 import tempfile
 import threading
-import time
 import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..wire import pool as shmpool, segments, serialize, transport
-from . import launcher
-from ..backends import BackendChoice, resolve_backend
 from ..errors import GroupClosedError
-from .calls import CallEngine
-from ..wire.relay import OutputPump, Sink
-from .status import GroupStatus, RankStatus
+from ..wire import pool as shmpool
+from ..wire import segments, serialize
+from ..wire.relay import OutputRelay, Sink, default_sink
+from .calls import Call, settle
+from .launcher import Launcher, LocalLauncher
+from .ranks import Rank, RankSet
+from .status import GroupStatus, check_options, collect_status
 
 _live: "weakref.WeakSet[Group]" = weakref.WeakSet()
 _notes_said: set = set()
@@ -58,12 +59,10 @@ def use_group(group: Optional["Group"]) -> None:
 def _say_once(note: Optional[str]) -> None:
     if note and note not in _notes_said:
         _notes_said.add(note)
-        import sys
-
         print(note, file=sys.stderr)
 
 
-class Group(CallEngine):
+class Group:
     """A persistent group of ``world_size`` worker processes with torch.distributed initialised.
 
     Args:
@@ -92,17 +91,18 @@ class Group(CallEngine):
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  debug: bool = False, grace: float = 0.5, auto_restart: bool = False,
                  output: Optional[Sink] = None, max_world_size: Optional[int] = None,
-                 _remote: Optional[Dict[str, Any]] = None):
+                 _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)
-        self._remote = _remote
+        self._launcher = _launcher or LocalLauncher()
         self._store = None
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # held by a call from send to settle, and by lifecycle
         self._seq = itertools.count(1)
-        self._ranks: List[launcher.Rank] = []
+        self._ranks: List[Rank] = []  # the current (or last) ranks, for status()
+        self._rs: Optional[RankSet] = None  # the running ranks as a call sees them
         self._state = "new"
+        self._stop_requested = False
         self._tmp: Optional[str] = None
-        self._pump: Optional[OutputPump] = None
-        self._sel: Optional[selectors.BaseSelector] = None
+        self._relay: Optional[OutputRelay] = None
         self.output = output
         self._opts: Dict[str, Any] = {}
         self._configure(world_size=world_size, backend=backend, device=device, timeout=timeout,
@@ -116,43 +116,12 @@ class Group(CallEngine):
             use_group(self)
 
     # ---- configuration ------------------------------------------------------------------------
-    def _configure(self, **opts) -> None:
+    def _configure(self, **opts) -> None:  # validate everything before anything changes
         new = dict(self._opts)
         new.update(opts)
-        ws = new["world_size"]
-        if isinstance(ws, bool) or not isinstance(ws, int):
-            raise TypeError(f"world_size must be an int, got {type(ws).__name__} ({ws!r})")
-        if ws < 1:
-            raise ValueError(f"world_size must be at least 1, got {ws}")
-        for name in ("timeout", "call_timeout", "init_timeout", "grace"):
-            v = new[name]
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
-                raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        if new["threads"] is not None and (not isinstance(new["threads"], int) or new["threads"] < 1):
-            raise ValueError(f"threads must be a positive int, got {new['threads']!r}")
-        if self._remote is not None:
-            # Remote ranks resolve "auto" on their own hardware; named backends are checked here.
-            if new["backend"] in (None, "", "auto"):
-                self._opts, self._choice = new, BackendChoice("auto", new["device"] or "auto")
-                return
-            choice = resolve_backend(new["backend"], "cpu" if new["device"] in (None, "auto")
-                                     else new["device"])
-            self._opts, self._choice = new, choice
-            return
-        choice = resolve_backend(new["backend"], new["device"])
-        limit = new["max_world_size"] or (launcher.cpu_limit() if choice.device == "cpu" else None)
-        if choice.device == "cuda":
-            import torch
-
-            limit = new["max_world_size"] or torch.cuda.device_count()
-        if limit is not None and ws > limit:
-            raise ValueError(
-                f"world_size={ws} is more than this machine runs well on device "
-                f"{choice.device!r} (limit {limit}: "
-                f"{'one rank per GPU' if choice.device == 'cuda' else '4 ranks per CPU core'}). "
-                "Use a smaller world size, or pass max_world_size= to raise the limit.")
+        check_options(new)
+        self._choice = self._launcher.choose(new)
         self._opts = new
-        self._choice = choice
 
     @property
     def world_size(self) -> int:
@@ -180,99 +149,46 @@ class Group(CallEngine):
         return self._state
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def _launch(self) -> None:
-        o = self._opts
-        _say_once(self._choice.note)
-        threads = o["threads"]
-        cores = os.cpu_count() or 1
-        if threads is None and "OMP_NUM_THREADS" not in os.environ and \
+    def _threads(self) -> Optional[int]:
+        o, cores = self._opts, os.cpu_count() or 1
+        if o["threads"] is None and "OMP_NUM_THREADS" not in os.environ and \
                 "OMP_NUM_THREADS" not in (o["env"] or {}) and o["world_size"] > 1:
             threads = max(1, cores // o["world_size"])
             _say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
                       f"({cores} cores shared by {o['world_size']} ranks); pass threads= to change.")
-        env = dict(os.environ)
-        env.update(o["env"] or {})
-        if o["debug"]:
-            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
-        segments.sweep_orphans()
-        self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-p{os.getpid()}-")
-        self._pump = OutputPump(self._sink)
+            return threads
+        return o["threads"]
+
+    def _launch(self) -> None:
         try:
-            if self._remote is not None:
-                self._ranks = self._attach_ranks(threads, o)
-            else:
-                self._ranks = launcher.start_workers(
-                    self.id, self._choice, o["world_size"], float(o["timeout"]), threads, env,
-                    os.path.join(self._tmp, "store"), self._pump,
-                    float(o["init_timeout"] or o["timeout"]))
+            _say_once(self._choice.note)
+            threads = self._threads()
+            segments.sweep_orphans()
+            self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-p{os.getpid()}-")
+            self._relay = OutputRelay(self._sink)
+            ranks, self._store = self._launcher.launch(self.id, self._choice, self._opts,
+                                                       threads, self._tmp, self._relay)
+            self._ranks, self._rs = ranks, RankSet(ranks, self._relay)
+            shmpool.set_release_hook(self.id, self._segment_freed)
         except BaseException:
             self._cleanup()
             self._state = "broken"
             raise
-        self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
-                                                            for r in self._ranks}
-        shmpool.set_release_hook(self.id, self._segment_freed)
-        self._sel = selectors.DefaultSelector()
-        for r in self._ranks:
-            self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
-            if r.process.sentinel is not None:
-                self._sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
         self._state = "ready"
 
-    def _attach_ranks(self, threads, o) -> List[launcher.Rank]:
-        from . import attach as remote
-
-        rm = self._remote
-        listener = transport.listen(*rm["address"])
-        key = transport.new_key()
-        try:
-            host, port = listener.getsockname()[:2]
-            key_file = remote.write_key(key, rm.get("key_file"))
-            rm["key_file"], rm["commands"] = key_file, remote.commands(
-                host, port, key_file, o["world_size"], rm.get("nproc_per_node"))
-            if rm.get("progress", True):
-                print(f"nbdist: waiting for {o['world_size']} ranks on {host}:{port} "
-                      f"(key in {key_file}; copy it to the nodes, mode 0600). Start them with\n"
-                      f"  {rm['commands']['torchrun']}\nor\n  {rm['commands']['srun']}")
-            config = {"backend": self._choice.backend, "device": self._choice.device,
-                      "timeout": float(o["timeout"]), "threads": threads,
-                      "custom_backends": launcher.custom_backend_blobs(self._choice),
-                      "rank_hooks": launcher.RANK_HOOKS,
-                      "env": dict(o["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-                                                      if o["debug"] else {}))}
-            self._pump.on_eof = lambda rank: self._remote_gone(rank)
-            ranks, self._store = remote.attach_workers(
-                listener, key, o["world_size"], config, self._pump,
-                float(rm.get("join_timeout", 600)), rm.get("progress", True))
-            return ranks
-        finally:
-            listener.close()
-
-    def _segment_freed(self, path: str) -> None:
-        # Runs wherever the last tensor on a pooled segment dies (any thread, or the GC).
-        rank = int(os.path.basename(path).split("-")[2][1:])
-        freed = self._freed.get(rank)
-        if freed is not None:
-            freed.put(path)  # SimpleQueue.put is safe from finalizers and any thread
-
-    def _remote_gone(self, rank: int) -> None:
-        for r in self._ranks:
-            if r.rank == rank and hasattr(r.process, "streams_closed"):
-                r.process.streams_closed()
+    def _segment_freed(self, path: str) -> None:  # any thread, or the GC (a tensor died)
+        rs = self._rs
+        if rs is not None:
+            rs.freed(path, int(os.path.basename(path).split("-")[2][1:]))
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
-        from ..wire.relay import default_sink
-
         (self.output or default_sink)(rank, stream, text)
 
     def restart(self, **changes) -> "Group":
         """Stop the workers and start fresh ones, with any option changed (``world_size=``,
         ``backend=``, ``device=``, ``timeout=``...). Per-rank variables are lost."""
-        if self._remote is not None:
-            raise GroupClosedError(
-                "the ranks of an attached group were started by your launcher (torchrun/srun); "
-                "nbdist cannot restart them. Call stop(), then nbdist.attach() again and re-run "
-                "the launcher command.")
+        if self._launcher.restart_refusal:
+            raise GroupClosedError(self._launcher.restart_refusal)
         unknown = set(changes) - set(self._opts)
         if unknown:
             raise TypeError(f"restart() got unknown option(s) {sorted(unknown)}; "
@@ -280,18 +196,24 @@ class Group(CallEngine):
         with self._lock:
             self._configure(**changes)  # validate before stopping anything
             self._shutdown()
+            self._stop_requested = False
             self._launch()
         return self
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop every worker (process groups destroyed first) and release all resources.
 
-        ``timeout``: how long to wait for a call running in another thread to finish; after it,
-        the workers are killed instead (interpreter exit uses 5 s, so it never hangs).
+        ``timeout``: how long to wait for a call running in another thread to finish. After it,
+        that call's ranks are killed; the call then raises :class:`GroupClosedError` in its own
+        thread, which releases everything, and this method waits up to 5 s for that.
         """
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            launcher.kill_all(self._ranks)  # a call is stuck in another thread: no waiting
-            return
+            self._stop_requested = True
+            rs = self._rs
+            if rs is not None:
+                rs.kill(range(len(rs.ranks)))  # handles stay with the call's thread
+            if not self._lock.acquire(timeout=5.0):
+                return  # that thread is wedged outside nbdist; its ranks are dead already
         try:
             if self._state != "stopped":
                 self._shutdown()
@@ -313,44 +235,28 @@ class Group(CallEngine):
                 f"backend={self.backend!r}, device={self.device!r}>")
 
     def _shutdown(self) -> None:
-        if self._pump is None:
-            return  # already shut down
-        stop_msg = transport.encode(("stop", 0, None))
-        for r in self._ranks:
-            if r.exitcode is None and r.channel is not None and r.state == "idle":
-                try:
-                    r.channel.send_bytes(stop_msg)
-                    expect_exit = getattr(r.process, "expect_exit", None)  # remote ranks
-                    if expect_exit is not None:
-                        expect_exit()
-                except OSError:
-                    pass
-            elif r.exitcode is None:
-                r.process.kill()
-        deadline = time.monotonic() + 2.0
-        for r in self._ranks:
-            if r.exitcode is None:
-                r.process.join(max(0.0, deadline - time.monotonic()))
-        launcher.kill_all(self._ranks)
-        for r in self._ranks:
-            self._pump.wait_eof(r.rank, 0.5)
-            r.state = "stopped" if r.state != "dead" else "dead"
+        """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
+        rs, self._rs = self._rs, None
+        if rs is not None:
+            rs.shutdown()
         self._cleanup()
 
+    def _teardown(self) -> None:
+        """After a failure: kill what still runs, release everything; ``restart()`` brings it back."""
+        if self._rs is not None:
+            self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
+        self._shutdown()
+        self._state = "stopped" if self._stop_requested else "broken"
+
     def _cleanup(self) -> None:
-        if self._sel is not None:
-            self._sel.close()
-            self._sel = None
-        if self._pump is not None:
-            self._pump.drain(flush_partial=True)
-            self._pump.close()
-            self._pump = None
+        if self._relay is not None:
+            self._relay.drain(flush_partial=True)
+            self._relay.close()
+            self._relay = None
         shmpool.set_release_hook(self.id, None)
         segments.remove_segments(segments.leftover_segments(self.id))
         self._store = None
-        if self._remote is not None and self._remote.get("key_file") and \
-                self._remote.get("own_key_file"):
-            segments.remove_segments([self._remote["key_file"]])
+        self._launcher.cleanup()
         if self._tmp:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
@@ -370,8 +276,8 @@ class Group(CallEngine):
         if not callable(fn):
             raise TypeError(f"fn must be callable, got {type(fn).__name__}")
         name = getattr(fn, "__qualname__", type(fn).__name__)
-        payload, segments = self._pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}")
-        return self._call("run", payload, ranks, timeout, f"run {name}", segments)
+        payload, segs = self._pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}")
+        return self._call("run", payload, ranks, timeout, f"run {name}", segs)
 
     def exec(self, source: str, ranks: Optional[Iterable[int]] = None,
              timeout: Optional[float] = None) -> List[Any]:
@@ -397,8 +303,8 @@ class Group(CallEngine):
         for name in merged:
             if not isinstance(name, str) or not name.isidentifier():
                 raise ValueError(f"push() names must be valid identifiers, got {name!r}")
-        payload, segments = self._pickle(merged, "pushed value")
-        self._call("push", payload, ranks, None, f"push {', '.join(merged)}", segments)
+        payload, segs = self._pickle(merged, "pushed value")
+        self._call("push", payload, ranks, None, f"push {', '.join(merged)}", segs)
 
     def pull(self, *names: str, ranks: Optional[Iterable[int]] = None) -> List[Any]:
         """Get variables from the ranks: one name -> ``[value_rank0, ...]``; several -> tuples."""
@@ -436,36 +342,51 @@ class Group(CallEngine):
             raise GroupClosedError("this group was stopped; start a new one with nbdist.start() "
                                    "or call restart() on it.")
         if self._state == "broken":
-            if self._opts["auto_restart"]:
+            if self._opts["auto_restart"] and not self._launcher.restart_refusal:
                 self._shutdown()
                 self._launch()
                 return
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
                                    "above); call restart() to start fresh workers.")
 
+    def _call(self, kind: str, payload: Any, ranks, timeout, what: str, segs=()) -> List[Any]:
+        try:
+            with self._lock:
+                targets = self._targets(ranks)
+                self._check_usable()
+                timeout = timeout if timeout is not None else self._opts["call_timeout"]
+                if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
+                    raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+                call = Call(next(self._seq), kind, payload, targets, timeout, what)
+                self._relay.context = contextvars.copy_context()
+                self._state = "busy"
+                try:
+                    call.send(self._rs)
+                    call.wait(self._rs)
+                    verdict = settle(call, self._rs, self._opts["grace"],
+                                     self._opts["auto_restart"], self.world_size)
+                except BaseException:
+                    self._teardown()  # something unforeseen mid-call: no channel can be trusted
+                    raise
+                if verdict.broken or self._stop_requested:
+                    self._teardown()
+                else:
+                    self._state = "ready"
+                if self._stop_requested:
+                    raise GroupClosedError(
+                        f"this group was stopped (stop() from another thread) while '{what}' ran "
+                        "on its ranks; they were killed. Start a new group, or restart() "
+                        "this one.") from verdict.error
+                if verdict.error is not None:
+                    raise verdict.error
+                return verdict.results
+        finally:
+            segments.remove_segments(segs)
+
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:
         """Per-rank state (idle / busy with what since when / dead with exit code), pid, memory."""
-        import psutil
-
-        rows = []
-        for r in self._ranks:
-            info = r.info or {}
-            rss = None
-            state = r.state
-            if r.exitcode is not None and state not in ("stopped",):
-                state = "dead"
-            elif state not in ("stopped", "dead") and \
-                    info.get("host") in (None, socket.gethostname()):  # RSS only for local pids
-                try:
-                    rss = psutil.Process(r.pid).memory_info().rss
-                except (psutil.Error, TypeError):
-                    pass
-            rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
-                                   info.get("backend", self.backend), state, r.busy_with if
-                                   state == "busy" else "", r.since, r.exitcode, rss,
-                                   r.last_error))
-        return GroupStatus(self._state, self.world_size, self.backend, self.device, rows)
+        return collect_status(self._state, self.world_size, self.backend, self.device, self._ranks)
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
@@ -477,42 +398,3 @@ def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional
     return Group(world_size, backend, device, timeout, **options)
 
 
-def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",
-           device: Optional[str] = "auto", timeout: float = 60.0, *, key_file: Optional[str] = None,
-           join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
-           progress: bool = True, **options) -> Group:
-    """Open a group whose ``world_size`` ranks run elsewhere, started by torchrun or srun.
-
-    The notebook listens on ``listen`` (``"HOST:PORT"``; an address you choose, never all
-    interfaces), writes the group key to ``key_file`` (a new private temp file by default), prints
-    the ``torchrun ... -m nbdist.worker --connect HOST:PORT --key-file FILE`` and ``srun`` commands,
-    and returns once every rank has joined and initialised torch.distributed (or raises
-    :class:`DistTimeoutError` after ``join_timeout`` seconds naming the missing ranks). Each rank
-    takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
-    on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
-    """
-    from .attach import parse_listen
-
-    address = parse_listen(listen)
-    remote = {"address": address, "key_file": key_file, "own_key_file": key_file is None,
-              "join_timeout": join_timeout, "nproc_per_node": nproc_per_node, "progress": progress}
-    return Group(world_size, backend, device, timeout, _remote=remote, **options)
-
-
-def launch(fn: Callable, *args, world_size: int = 2, backend: Optional[str] = "auto",
-           device: Optional[str] = "auto", **kwargs) -> List[Any]:
-    """One shot: start a group, run ``fn(*args, **kwargs)`` on every rank, stop; return results."""
-    with Group(world_size, backend, device) as group:
-        return group.run(fn, *args, **kwargs)
-
-
-def stop_all() -> None:
-    """Stop every group still running in this process (also runs at interpreter exit)."""
-    for group in list(_live):
-        try:
-            group.stop(timeout=5.0)
-        except Exception:  # noqa: BLE001 -- exiting: stop the others regardless
-            pass
-
-
-atexit.register(stop_all)

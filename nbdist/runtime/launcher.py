@@ -1,37 +1,87 @@
-"""Starting local worker processes and waiting until every rank is connected and initialised.
+"""Launchers: where a group's ranks come from. :class:`LocalLauncher` starts fresh worker processes
+on this machine; :class:`nbdist.runtime.attach.AttachLauncher` accepts ranks that torchrun or srun
+started elsewhere. Both hand back ready :class:`~nbdist.runtime.ranks.Rank` s through the same
+accept/ready loop (:mod:`nbdist.runtime.ready`), or raise leaving nothing running.
 
-The caller owns everything shared: the control listener (loopback, port 0), the rendezvous (a
-``FileStore`` in a private temp dir: no port at all, so no "address already in use" and nothing to
-reach from outside), and the group key. Workers are fresh processes: forkserver children with
-torch preloaded where the OS has forkserver, spawned interpreters elsewhere.
-
-Workers never import the caller's ``__main__`` (multiprocessing normally re-runs the main script in
-every child): code reaches them by value, so a script without an ``if __name__ == "__main__"`` guard
-and a notebook behave the same.
+A local launch owns everything shared: the control listener (loopback, port 0), the rendezvous (a
+``FileStore`` in the group's private temp dir: no port at all, so no "address already in use" and
+nothing to reach from outside), and the group key. Workers are fresh processes: forkserver children
+with torch preloaded where the OS has forkserver, spawned interpreters elsewhere
+(:mod:`nbdist.runtime.forkserver`); they never import the caller's ``__main__``.
 """
 from __future__ import annotations
 
 import os
-import selectors
 import socket
-import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import cloudpickle
 
+from ..backends import BackendChoice, resolve_backend
 from ..wire import transport
-from ..backends import BackendChoice
-from ..errors import (DistTimeoutError, NbdistError, RankDiedError, RemoteError, RemoteFailure,
-                      ranks_phrase)
-from ..wire.relay import OutputPump
+from ..wire.relay import OutputRelay
 from .forkserver import main_hidden, mp_context, prewarm  # noqa: F401 -- prewarm: documented here
-
+from .ranks import LocalProcess, Rank, kill_all
+from .ready import Admission, accept_until_ready
 
 #: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
 #: the runtime does not import the layers above it). Lightning's guards only install an import hook:
 #: Lightning itself is patched if and when code on the rank imports it.
 RANK_HOOKS = ("nbdist.lightning.guards:install_hooks",)
+
+
+class Launcher:
+    """Where the ranks of a group come from. A :class:`~nbdist.Group` calls, in order,
+    :meth:`choose` (validate options, resolve the backend), :meth:`launch` (ranks ready, or raise
+    leaving none running), and :meth:`cleanup` when the group stops."""
+
+    attached = False
+    #: why :meth:`nbdist.Group.restart` cannot work for this kind of group (``None``: it can)
+    restart_refusal: Optional[str] = None
+
+    def choose(self, opts: Dict[str, Any]) -> BackendChoice:
+        """Resolve the backend and device of ``opts`` for these ranks; raise on what cannot work."""
+        raise NotImplementedError
+
+    def launch(self, group_id: str, choice: BackendChoice, opts: Dict[str, Any],
+               threads: Optional[int], tmp: str, relay: OutputRelay) -> Tuple[List[Rank], Any]:
+        """Ranks ready to serve, and the rendezvous store to keep alive (``None`` if none)."""
+        raise NotImplementedError
+
+    def cleanup(self) -> None:
+        """Remove what :meth:`launch` left on this machine (nothing by default)."""
+
+
+class LocalLauncher(Launcher):
+    """Fresh worker processes on this machine."""
+
+    def choose(self, opts: Dict[str, Any]) -> BackendChoice:
+        """Resolve the backend; refuse a world size this machine cannot run well."""
+        choice = resolve_backend(opts["backend"], opts["device"])
+        ws = opts["world_size"]
+        limit = opts["max_world_size"] or (cpu_limit() if choice.device == "cpu" else None)
+        if choice.device == "cuda":
+            import torch
+
+            limit = opts["max_world_size"] or torch.cuda.device_count()
+        if limit is not None and ws > limit:
+            raise ValueError(
+                f"world_size={ws} is more than this machine runs well on device "
+                f"{choice.device!r} (limit {limit}: "
+                f"{'one rank per GPU' if choice.device == 'cuda' else '4 ranks per CPU core'}). "
+                "Use a smaller world size, or pass max_world_size= to raise the limit.")
+        return choice
+
+    def launch(self, group_id, choice, opts, threads, tmp, relay):
+        """Start ``world_size`` workers; return them once all are ready (or raise, leaving none)."""
+        env = dict(os.environ)
+        env.update(opts["env"] or {})
+        if opts["debug"]:
+            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
+                              threads, env, os.path.join(tmp, "store"), relay,
+                              float(opts["init_timeout"] or opts["timeout"]))
+        return ranks, None
 
 
 def loopback_interface() -> Optional[str]:
@@ -44,35 +94,6 @@ def loopback_interface() -> Optional[str]:
         if candidate in names:
             return candidate
     return None
-
-
-@dataclass
-class Rank:
-    """The caller's handle on one worker."""
-
-    rank: int
-    process: Any
-    channel: Optional[transport.Channel] = None
-    info: Optional[Dict[str, Any]] = None
-    state: str = "starting"
-    busy_with: str = ""
-    since: Optional[float] = None
-    last_error: str = ""
-    pid: Optional[int] = None
-    _exitcode: Optional[int] = None
-    _released: bool = False
-
-    @property
-    def exitcode(self) -> Optional[int]:
-        """The worker's exit code (negative: killed by that signal); ``None`` while it runs."""
-        return self._exitcode if self._released else self.process.exitcode
-
-    def release(self) -> None:
-        """Free the process handle's pipes once the worker has exited (keeps its exit code)."""
-        if not self._released and self.process.exitcode is not None:
-            self._exitcode = self.process.exitcode
-            self._released = True  # before close(): status() may read exitcode from a thread
-            self.process.close()
 
 
 def clean_environment(env: Dict[str, str]) -> Dict[str, str]:
@@ -102,7 +123,7 @@ def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dic
 
 def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout: float,
                   threads: Optional[int], env: Dict[str, str], store_path: str,
-                  pump: OutputPump, init_timeout: float) -> List[Rank]:
+                  relay: OutputRelay, init_timeout: float) -> List[Rank]:
     """Start ``world_size`` workers and return them once all are ready (or raise, leaving none)."""
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
@@ -111,149 +132,32 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
 
     ctx = mp_context()
     custom = custom_backend_blobs(choice)
-    ranks: List[Rank] = []
+    ranks: Dict[int, Rank] = {}
     try:
         for r in range(world_size):
             cfg = {"rank": r, "world_size": world_size, "local_rank": r, "group_id": group_id,
                    "address": ("127.0.0.1", port), "key": key, "backend": choice.backend,
                    "device": choice.device, "timeout": timeout, "threads": threads,
                    "custom_backends": custom, "store_path": store_path, "shm": True,
-                   "rank_hooks": RANK_HOOKS,
-                   "env": rank_env(env, r, world_size, port)}
+                   "rank_hooks": RANK_HOOKS, "env": rank_env(env, r, world_size, port)}
             proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
             with main_hidden():
                 proc.start()
-            ranks.append(Rank(r, proc, pid=proc.pid))
-        _wait_ready(ranks, listener, key, pump, init_timeout)
+            ranks[r] = Rank(r, LocalProcess(proc))
+        return accept_until_ready(listener, key, world_size, ranks, relay, init_timeout,
+                                  Admission())
     except BaseException:
-        kill_all(ranks)
+        kill_all(ranks.values())
         for r in ranks:
-            pump.wait_eof(r.rank, 0.5)
+            relay.wait_closed(r, 0.5)
         raise
     finally:
         listener.close()
-    return ranks
-
-
-def _wait_ready(ranks: List[Rank], listener: socket.socket, key: bytes, pump: OutputPump,
-                init_timeout: float) -> None:
-    sel = selectors.DefaultSelector()
-    sel.register(listener, selectors.EVENT_READ, ("listen", -1))
-    for r in ranks:
-        sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
-    deadline = time.monotonic() + init_timeout
-    failures: Dict[int, RemoteFailure] = {}
-    dead: Dict[int, tuple] = {}
-    try:
-        while any(r.state != "idle" for r in ranks) and not failures and not dead:
-            remaining = deadline - time.monotonic()
-            if remaining <= 0:
-                missing = [r.rank for r in ranks if r.state != "idle"]
-                raise DistTimeoutError(
-                    f"{ranks_phrase(missing)} did not "
-                    f"finish starting within {init_timeout:.0f} s (connected to the controller: "
-                    f"{[r.rank for r in ranks if r.channel is not None]}). "
-                    "Raise init_timeout=, or check the ranks' stderr above.", missing)
-            for key_, _ in sel.select(remaining):
-                what, idx = key_.data
-                if what == "listen":
-                    _accept(listener, key, ranks, pump, sel)
-                elif what == "ctl":
-                    _on_control(ranks[idx], sel, failures, dead)
-                else:
-                    ranks[idx].process.join(1.0)
-                    dead[idx] = (ranks[idx].exitcode, "")
-                    sel.unregister(key_.fileobj)
-    finally:
-        sel.close()
-    _raise_start_failure(ranks, failures, dead, pump)
-
-
-def _raise_start_failure(ranks: List[Rank], failures: Dict[int, RemoteFailure],
-                         dead: Dict[int, tuple], pump: OutputPump) -> None:
-    """Turn what went wrong while starting into one error naming every rank concerned."""
-    if dead:
-        for idx in dead:
-            pump.wait_eof(idx, 1.0)
-            dead[idx] = (dead[idx][0], pump.tail(idx))
-        raise RankDiedError(dead, "while starting (before torch.distributed was initialised).",
-                            "Nothing was left running; fix the cause and start the group again.")
-    if failures:
-        err = RemoteError(failures)
-        absent = [r for r in ranks if r.state != "idle" and r.rank not in failures]
-        why = "".join(
-            f" Rank {r.rank} never got there ("
-            + (f"still alive, pid {r.pid}: stuck before or inside the rendezvous"
-               if r.exitcode is None else f"exit code {r.exitcode}") + ")."
-            for r in absent)
-        raise NbdistError(f"torch.distributed could not be initialised on "
-                          f"{ranks_phrase(failures)}: "
-                          f"{err.root_cause.type_name}: {err.root_cause.message}.{why}") from err
-
-
-def _accept(listener, key, ranks, pump, sel) -> None:
-    conn, _ = listener.accept()
-    try:
-        hello = transport.server_handshake(conn, key, timeout=5.0)
-        rank, role = int(hello["rank"]), hello["role"]
-        if not 0 <= rank < len(ranks) or role not in ("control", "stdout", "stderr"):
-            raise transport.AuthenticationError(f"unexpected hello {hello!r}")
-    except (transport.AuthenticationError, KeyError, ValueError, TypeError):
-        conn.close()  # refuse quietly: nothing the peer sent was interpreted
-        return
-    if role == "control":
-        ranks[rank].channel = transport.Channel(conn)
-        sel.register(conn, selectors.EVENT_READ, ("ctl", rank))
-    else:
-        pump.add(rank, role, conn)
-
-
-def _on_control(r: Rank, sel, failures, dead) -> None:
-    try:
-        kind, _, body = r.channel.recv()
-    except (ConnectionError, OSError):
-        r.process.join(1.0)
-        dead[r.rank] = (r.exitcode, "")
-        sel.unregister(r.channel.sock)
-        return
-    if kind == "ready":
-        r.info, r.state = body, "idle"
-    else:
-        failures[r.rank] = failure_from(body)
-    sel.unregister(r.channel.sock)
-
-
-def failure_from(body: Dict[str, Any]) -> RemoteFailure:
-    """Rebuild a :class:`RemoteFailure` from a worker's error report."""
-    exc = None
-    if body.get("exception") is not None:
-        try:
-            exc = cloudpickle.loads(body["exception"])
-        except Exception:  # noqa: BLE001 -- an exception class we cannot import here
-            exc = None
-    return RemoteFailure(body["rank"], body["type"], body["message"], body["traceback"],
-                         body["time"], exc)
 
 
 def custom_backend_blobs(choice: BackendChoice) -> List[bytes]:
     """The custom backends of a backend choice, pickled for the workers."""
     return [cloudpickle.dumps(c) for c in choice.custom]
-
-
-def kill_all(ranks: List[Rank]) -> None:
-    """SIGKILL every worker still running and reap it."""
-    for r in ranks:
-        if r.exitcode is None:
-            try:
-                r.process.kill()
-            except (OSError, ValueError, AttributeError):
-                pass
-    for r in ranks:
-        if not r._released:
-            r.process.join(5.0)
-            r.release()
-        if r.channel is not None:
-            r.channel.close()
 
 
 def cpu_limit() -> int:

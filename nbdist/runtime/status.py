@@ -1,10 +1,14 @@
-"""What ``Group.status()`` returns: per-rank state, as text for terminals and HTML for Jupyter."""
+"""What ``Group.status()`` returns: per-rank state, as text for terminals and HTML for Jupyter; and
+the checks of a group's options."""
 from __future__ import annotations
 
 import html
+import socket
 import time
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional
+
+from ..errors import ExitStatus
 
 
 @dataclass
@@ -19,15 +23,22 @@ class RankStatus:
     state: str
     busy_with: str = ""
     since: Optional[float] = None
-    exitcode: Optional[int] = None
+    exit: Optional[ExitStatus] = None
     rss: Optional[int] = None
     last_error: str = ""
+
+    @property
+    def exitcode(self) -> Optional[int]:
+        """The exit code (negative: the signal that killed it); ``None`` while running or lost."""
+        return None if self.exit is None else self.exit.code
 
     def describe_state(self) -> str:
         """``busy: run f (2.1 s)`` / ``dead (exit -9)`` / ``idle``."""
         if self.state == "busy" and self.since is not None:
             return f"busy: {self.busy_with} ({time.time() - self.since:.1f} s)"
         if self.state == "dead":
+            if self.exit is not None and self.exit.lost:
+                return "dead (connection lost)"
             return f"dead (exit {self.exitcode})"
         return self.state
 
@@ -70,3 +81,45 @@ class GroupStatus:
                 f"world size {self.world_size}, backend <code>{html.escape(self.backend)}</code>, "
                 f"device {html.escape(self.device)}<table><thead><tr>{head}</tr></thead>"
                 f"<tbody>{body}</tbody></table></div>")
+
+
+def collect_status(state: str, world_size: int, backend: str, device: str,
+                   ranks: List) -> GroupStatus:
+    """A :class:`GroupStatus` from a group's ranks (reads them without locks: safe from any thread;
+    a row may be one step behind a call that is running)."""
+    import psutil
+
+    rows = []
+    for r in ranks:
+        info = r.info or {}
+        rss = None
+        rstate = r.state
+        if r.exit_status is not None and rstate not in ("stopped",):
+            rstate = "dead"
+        elif rstate not in ("stopped", "dead") and \
+                info.get("host") in (None, socket.gethostname()):  # RSS only for local pids
+            try:
+                rss = psutil.Process(r.pid).memory_info().rss
+            except (psutil.Error, TypeError):
+                pass
+        rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
+                               info.get("backend", backend), rstate,
+                               r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
+                               rss, r.last_error))
+    return GroupStatus(state, world_size, backend, device, rows)
+
+
+def check_options(opts: Dict) -> None:
+    """Refuse group options that cannot work, saying what was expected."""
+    ws = opts["world_size"]
+    if isinstance(ws, bool) or not isinstance(ws, int):
+        raise TypeError(f"world_size must be an int, got {type(ws).__name__} ({ws!r})")
+    if ws < 1:
+        raise ValueError(f"world_size must be at least 1, got {ws}")
+    for name in ("timeout", "call_timeout", "init_timeout", "grace"):
+        v = opts[name]
+        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
+            raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+    if opts["threads"] is not None and (not isinstance(opts["threads"], int)
+                                        or opts["threads"] < 1):
+        raise ValueError(f"threads must be a positive int, got {opts['threads']!r}")

@@ -1,9 +1,15 @@
-"""Relay of every rank's stdout and stderr to the caller, line by line, labelled by rank.
+"""Relay of every rank's stdout and stderr to the caller, line by line, labelled by rank; and each
+rank's lifeline.
 
 Each worker's file descriptors 1 and 2 are sockets to the caller, so everything a rank writes --
 Python prints, C++ warnings, the text of an abort -- arrives here even if the process then dies.
-One background thread reads all of them; :meth:`OutputPump.drain` lets the caller pull what has
+One background thread reads all of them; :meth:`OutputRelay.drain` lets the caller pull what has
 already arrived before it returns a call's results, so a cell's output always precedes its value.
+
+The stderr socket is also the rank's :class:`Lifeline`: the caller writes one-byte commands down it
+(interrupt, kill: the worker's watchdog thread acts on them, even while the rank is blocked in a
+collective), and its end of stream says the process is gone. The relay only reads; the lifeline only
+writes and tells liveness.
 """
 from __future__ import annotations
 
@@ -26,7 +32,45 @@ def default_sink(rank: int, stream: str, text: str) -> None:
     out.flush()
 
 
-class OutputPump:
+class Lifeline:
+    """The caller's end of one rank's lifeline: commands down, liveness up.
+
+    Safe from any thread. A command on a closed lifeline returns False (the rank is gone).
+    """
+
+    def __init__(self, rank: int, sock: socket.socket, closed: threading.Event):
+        self.rank = rank
+        self._sock = sock
+        self._closed = closed
+
+    def interrupt(self) -> bool:
+        """Deliver SIGINT to the rank's main thread (as the notebook's interrupt button would)."""
+        return self._send(b"I")
+
+    def kill(self) -> bool:
+        """Make the rank SIGKILL itself (works for ranks on other hosts too)."""
+        return self._send(b"K")
+
+    def _send(self, command: bytes) -> bool:
+        if self._closed.is_set():
+            return False
+        try:
+            self._sock.send(command)
+            return True
+        except OSError:
+            return False
+
+    @property
+    def alive(self) -> bool:
+        """False once the rank's stream has ended: the process is gone."""
+        return not self._closed.is_set()
+
+    def wait_closed(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` s for the process to be gone; True if it is."""
+        return self._closed.wait(timeout)
+
+
+class OutputRelay:
     """Reads the ranks' output sockets on one thread and hands complete lines to a sink."""
 
     def __init__(self, sink: Optional[Sink] = None):
@@ -40,37 +84,31 @@ class OutputPump:
         self._wake_r, self._wake_w = socket.socketpair()
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
-        self.on_eof: Optional[Callable[[int], None]] = None
+        self._lifelines: Dict[int, Lifeline] = {}
         self._thread = threading.Thread(target=self._loop, name="nbdist-output", daemon=True)
         self._thread.start()
 
     def add(self, rank: int, stream: str, sock: socket.socket) -> None:
-        """Start relaying ``stream`` ("stdout"/"stderr") of ``rank`` from ``sock``."""
+        """Start relaying ``stream`` ("stdout"/"stderr") of ``rank`` from ``sock``; the stderr
+        socket also becomes the rank's :meth:`lifeline`."""
         sock.setblocking(False)
         with self._lock:
             self._eof[(rank, stream)] = threading.Event()
             self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
             self._sel.register(sock, selectors.EVENT_READ, (rank, stream))
+            if stream == "stderr":
+                self._lifelines[rank] = Lifeline(rank, sock, self._eof[(rank, stream)])
         self._wake_w.send(b"x")
 
-    def send(self, rank: int, command: bytes) -> bool:
-        """Send a one-byte command up rank ``rank``'s stderr stream (the worker's watchdog reads
-        it: ``b"I"`` interrupt, ``b"K"`` kill). False if the stream is already closed."""
-        with self._lock:
-            for key in self._sel.get_map().values():
-                if key.data == (rank, "stderr"):
-                    try:
-                        key.fileobj.send(command)
-                        return True
-                    except OSError:
-                        return False
-        return False
+    def lifeline(self, rank: int) -> Optional[Lifeline]:
+        """Rank ``rank``'s lifeline (``None`` before its stderr stream connected)."""
+        return self._lifelines.get(rank)
 
     def has(self, rank: int, stream: str) -> bool:
         """True if ``stream`` of ``rank`` is already being relayed (or was, until EOF)."""
         return (rank, stream) in self._eof
 
-    def eof_seen(self, rank: int) -> bool:
+    def closed(self, rank: int) -> bool:
         """True once both streams of ``rank`` have closed."""
         events = [self._eof.get((rank, s)) for s in ("stdout", "stderr")]
         return all(e is not None and e.is_set() for e in events)
@@ -80,7 +118,7 @@ class OutputPump:
         with self._lock:
             return "\n".join(self._tails.get(rank, ()))
 
-    def wait_eof(self, rank: int, timeout: float) -> bool:
+    def wait_closed(self, rank: int, timeout: float) -> bool:
         """Wait until both streams of ``rank`` reached EOF (the process is gone); True if so."""
         self.drain()
         ok = True
@@ -152,8 +190,6 @@ class OutputPump:
             self._sel.unregister(sock)
             sock.close()
             self._eof[who].set()
-            if self.on_eof is not None and who[1] == "stderr":
-                self.on_eof(who[0])
 
     def _emit(self, rank: int, stream: str, text: str) -> None:
         if "\r" in text:  # progress bars redraw with \r: keep what the terminal would show

@@ -1,0 +1,47 @@
+"""The runtime's front functions: start a group, attach one, run once, stop everything."""
+from __future__ import annotations
+
+import atexit
+from typing import Any, Callable, List, Optional
+
+from . import group as group_module
+from .attach import AttachLauncher, parse_listen
+from .group import Group, start  # noqa: F401 -- start: the front door imports it here
+
+
+def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",
+           device: Optional[str] = "auto", timeout: float = 60.0, *, key_file: Optional[str] = None,
+           join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
+           progress: bool = True, **options) -> Group:
+    """Open a group whose ``world_size`` ranks run elsewhere, started by torchrun or srun.
+
+    The notebook listens on ``listen`` (``"HOST:PORT"``; an address you choose, never all
+    interfaces), writes the group key to ``key_file`` (a new private temp file by default), prints
+    the ``torchrun ... -m nbdist.worker --connect HOST:PORT --key-file FILE`` and ``srun`` commands,
+    and returns once every rank has joined and initialised torch.distributed (or raises
+    :class:`DistTimeoutError` after ``join_timeout`` seconds naming the missing ranks). Each rank
+    takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
+    on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
+    """
+    launcher = AttachLauncher(parse_listen(listen), key_file, join_timeout, nproc_per_node,
+                              progress)
+    return Group(world_size, backend, device, timeout, _launcher=launcher, **options)
+
+
+def launch(fn: Callable, *args, world_size: int = 2, backend: Optional[str] = "auto",
+           device: Optional[str] = "auto", **kwargs) -> List[Any]:
+    """One shot: start a group, run ``fn(*args, **kwargs)`` on every rank, stop; return results."""
+    with Group(world_size, backend, device) as group:
+        return group.run(fn, *args, **kwargs)
+
+
+def stop_all() -> None:
+    """Stop every group still running in this process (also runs at interpreter exit)."""
+    for group in list(group_module._live):
+        try:
+            group.stop(timeout=5.0)
+        except Exception:  # noqa: BLE001 -- exiting: stop the others regardless
+            pass
+
+
+atexit.register(stop_all)

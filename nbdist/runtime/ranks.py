@@ -1,0 +1,229 @@
+"""The caller's handles on its ranks: one :class:`Rank` each, whatever started the process, and the
+:class:`RankSet` a call talks to.
+
+A rank's process is either a :class:`LocalProcess` (a worker nbdist started: it has a sentinel and
+an exit code) or a :class:`RemoteProcess` (started by torchrun/srun elsewhere: alive while its
+lifeline is connected). Both answer the same questions -- ``exit_status``, ``kill()``, ``join()``
+-- so nothing above this module asks which kind it has.
+"""
+from __future__ import annotations
+
+import queue
+import selectors
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, Iterable, List, Optional
+
+from ..errors import ExitStatus
+from ..wire import transport
+from ..wire.relay import OutputRelay
+
+
+class LocalProcess:
+    """A worker nbdist started (a ``multiprocessing.Process``)."""
+
+    def __init__(self, process):
+        self._process = process
+        self.pid: Optional[int] = process.pid
+        self.sentinel = process.sentinel
+        self._status: Optional[ExitStatus] = None
+
+    @property
+    def exit_status(self) -> Optional[ExitStatus]:
+        """``None`` while the process runs; its :class:`ExitStatus` after."""
+        if self._status is None:
+            code = self._process.exitcode
+            if code is not None:
+                self._status = ExitStatus(code)
+        return self._status
+
+    def kill(self) -> None:
+        """SIGKILL the process (safe from any thread, and after it exited)."""
+        if self._status is None:
+            try:
+                self._process.kill()
+            except (OSError, ValueError, AttributeError):
+                pass  # already reaped and closed
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the process to exit."""
+        if self._status is None:
+            self._process.join(timeout)
+
+    def expect_exit(self) -> None:
+        """Nothing to note: the exit code says how it ended."""
+
+    def release(self) -> None:
+        """Free the process handle once it has exited (its exit status is kept)."""
+        if self.exit_status is not None and self._process is not None:
+            process, self._process = self._process, None
+            process.close()
+
+
+class RemoteProcess:
+    """A rank nbdist did not start (torchrun/srun on another host): alive while its lifeline is.
+
+    After the lifeline closes, its exit status is 0 if the rank was told to stop, else ``lost``.
+    """
+
+    sentinel = None
+
+    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay):
+        self.rank, self.pid, self.host, self._relay = rank, pid, host, relay
+        self._expected = False
+
+    @property
+    def exit_status(self) -> Optional[ExitStatus]:
+        """``None`` while connected, then ``ExitStatus(0)`` or ``ExitStatus(lost=True)``."""
+        lifeline = self._relay.lifeline(self.rank)
+        if lifeline is None or lifeline.alive:
+            return None
+        return ExitStatus(0) if self._expected else ExitStatus(lost=True)
+
+    def expect_exit(self) -> None:
+        """We asked the rank to stop: its lifeline closing then means a clean exit."""
+        self._expected = True
+
+    def kill(self) -> None:
+        """Ask the worker's watchdog to SIGKILL its own process."""
+        lifeline = self._relay.lifeline(self.rank)
+        if lifeline is not None:
+            lifeline.kill()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait until the rank's streams are closed."""
+        self._relay.wait_closed(self.rank, 3600.0 if timeout is None else timeout)
+
+    def release(self) -> None:
+        """Nothing to release."""
+
+
+@dataclass
+class Rank:
+    """The caller's handle on one rank.
+
+    ``state`` is ``"starting"`` until the rank reported ready, then ``"idle"`` / ``"busy"`` (set by
+    the call in flight), and finally ``"dead"`` or ``"stopped"`` (set by the group's teardown).
+    """
+
+    rank: int
+    process: Any  # LocalProcess | RemoteProcess
+    channel: Optional[transport.Channel] = None
+    info: Optional[Dict[str, Any]] = None
+    state: str = "starting"
+    busy_with: str = ""
+    since: Optional[float] = None
+    last_error: str = ""
+
+    @property
+    def pid(self) -> Optional[int]:
+        """The worker's process id (on its own host)."""
+        return self.process.pid
+
+    @property
+    def exit_status(self) -> Optional[ExitStatus]:
+        """``None`` while the process runs."""
+        return self.process.exit_status
+
+
+def kill_all(ranks: Iterable[Rank], join: float = 5.0) -> None:
+    """SIGKILL every rank still running, reap it, close its channel."""
+    ranks = list(ranks)
+    for r in ranks:
+        if r.exit_status is None:
+            r.process.kill()
+    for r in ranks:
+        r.process.join(join)
+        r.process.release()
+        if r.channel is not None:
+            r.channel.close()
+
+
+class RankSet:
+    """The ranks of a running group as a call sees them: their control channels and sentinels in
+    one selector, the lifelines, and the pooled result segments the caller gave back.
+
+    Owned by the group from a successful start to its teardown; used by one call at a time.
+    """
+
+    def __init__(self, ranks: List[Rank], relay: OutputRelay):
+        self.ranks = ranks
+        self.relay = relay
+        self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
+                                                            for r in ranks}
+        self._sel = selectors.DefaultSelector()
+        for r in ranks:
+            self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
+            if r.process.sentinel is not None:
+                self._sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+
+    def __getitem__(self, r: int) -> Rank:
+        return self.ranks[r]
+
+    def select(self, timeout: Optional[float]):
+        """``[(what, rank)]`` that are ready: ``("ctl", r)`` a message, ``("dead", r)`` an exit."""
+        return [key.data for key, _ in self._sel.select(timeout)]
+
+    def forget(self, r: int) -> None:
+        """Stop watching rank ``r`` (it died, or its channel is torn): no busy loop on its fds."""
+        rank = self.ranks[r]
+        for obj in (rank.channel.sock, rank.process.sentinel):
+            if obj is not None:
+                try:
+                    self._sel.unregister(obj)
+                except (KeyError, ValueError, OSError):
+                    pass
+
+    def freed(self, path: str, r: int) -> None:
+        """A pooled segment of rank ``r`` is free again (any thread, or a finalizer)."""
+        q = self._freed.get(r)
+        if q is not None:
+            q.put(path)  # SimpleQueue.put is safe from finalizers and any thread
+
+    def release(self, r: int, paths) -> None:
+        """Give the pooled segments of a reply nobody will unpickle back to rank ``r``."""
+        for path in paths or ():
+            self.freed(path, r)
+
+    def take_freed(self, r: int) -> List[str]:
+        """The segments to tell rank ``r`` about with its next request."""
+        q, out = self._freed.get(r), []
+        while q is not None:
+            try:
+                out.append(q.get_nowait())
+            except queue.Empty:
+                break
+        return out
+
+    def interrupt(self, r: int) -> bool:
+        """SIGINT rank ``r``'s main thread through its lifeline."""
+        lifeline = self.relay.lifeline(r)
+        return lifeline is not None and lifeline.interrupt()
+
+    def kill(self, ranks: Iterable[int]) -> None:
+        """SIGKILL these ranks (without waiting)."""
+        for r in ranks:
+            self.ranks[r].process.kill()
+
+    def shutdown(self, wait: float = 2.0) -> None:
+        """Ask the idle ranks to stop (they destroy their process group and exit), kill the
+        others, reap every process within ``wait`` seconds (killing stragglers), close all."""
+        stop_msg = transport.encode(("stop", 0, None))
+        for r in self.ranks:
+            if r.exit_status is None and r.state == "idle":
+                try:
+                    r.channel.send_bytes(stop_msg)
+                    r.process.expect_exit()
+                except OSError:
+                    pass
+            elif r.exit_status is None:
+                r.process.kill()
+        deadline = time.monotonic() + wait
+        for r in self.ranks:
+            if r.exit_status is None:
+                r.process.join(max(0.0, deadline - time.monotonic()))
+        kill_all(self.ranks)
+        for r in self.ranks:
+            self.relay.wait_closed(r.rank, 0.5)
+            r.state = "dead" if r.state == "dead" else "stopped"
+        self._sel.close()
