@@ -7,14 +7,13 @@ CSV and JSON round-trip: ``Records.from_csv(path)`` gives back what ``to_csv(pat
 from __future__ import annotations
 
 import csv
-import html
 import io
 import json
 import os
 import re
-from typing import Any, Callable, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional, Union
 
-from .units import format_bytes, format_rate, format_time
+from ..report.table import Column, TableView
 
 FIELDS = {
     "op": "the operation (see nbdist.bench.OPS)",
@@ -132,26 +131,24 @@ class Table(list):
     def __add__(self, other):
         return type(self)(list(self) + list(other))
 
-    def _formatters(self) -> Dict[str, Callable[[Any], str]]:
-        return {}
+    def _column(self, key: str) -> Column:
+        """How the field ``key`` is shown (by the unit in its name: ``time_s``, ``busbw_GBps``)."""
+        return Column.for_key(key)
+
+    def _notes(self) -> List[str]:
+        return []
+
+    def _view(self, columns: Optional[List[str]] = None) -> TableView:
+        return TableView(self, [self._column(c) for c in columns or self._columns_shown()],
+                         self._notes())
 
     def format(self, columns: Optional[List[str]] = None) -> str:
-        """A plain-text table of ``columns`` (default: all), with readable units."""
-        columns = columns or self.columns()
-        fmt = self._formatters()
-        cells = [[fmt.get(c, _plain)(row.get(c)) for c in columns] for row in self]
-        widths = [max([len(c)] + [len(r[i]) for r in cells]) for i, c in enumerate(columns)]
-        lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-        lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths)) for r in cells]
-        return "\n".join(line.rstrip() for line in lines)
+        """A plain-text table of ``columns`` (default: all): one unit per column, in its header
+        (``time (µs)``), numbers right-aligned. The rows keep their raw values."""
+        return self._view(columns or self.columns()).text()
 
     def _repr_html_(self) -> str:
-        columns = self._columns_shown()
-        fmt = self._formatters()
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in columns)
-        body = "".join("<tr>" + "".join(f"<td>{html.escape(fmt.get(c, _plain)(row.get(c)))}</td>"
-                                        for c in columns) + "</tr>" for row in self)
-        return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+        return self._view()._repr_html_()
 
     def _columns_shown(self) -> List[str]:
         return self.columns()
@@ -163,29 +160,30 @@ class Table(list):
         return f"<{type(self).__name__}: {len(self)} rows>\n{self}"
 
 
-def _plain(v: Any) -> str:
-    if v is None:
-        return "-"
-    if isinstance(v, float):
-        return f"{v:.4g}"
-    return str(v)
-
-
 class Records(Table):
     """Benchmark results: one row per (op, size, configuration); fields in :data:`FIELDS`.
 
     A list of dicts with :meth:`to_pandas`, :meth:`to_csv`, :meth:`to_json`, :meth:`plot`, and a
-    readable ``str()`` table. ``records + other`` and :meth:`concat` join runs for comparisons.
+    readable ``str()`` table (an HTML one in a notebook) with one unit per column, in its header:
+    ``size (KiB)``, ``time (µs)``, ``busbw (GB/s)``; the exports keep the raw fields of
+    :data:`FIELDS`. ``records + other`` and :meth:`concat` join runs for comparisons.
     """
 
     SHOWN = ["op", "bytes", "world_size", "backend", "time_s", "p90_s", "mean_s", "algbw_GBps",
              "busbw_GBps", "status"]
     """The columns ``str()`` and the notebook display show (all are in the data)."""
 
-    def _formatters(self):
-        f = {k: format_time for k in FIELDS if k.endswith("_s")}
-        f.update(bytes=format_bytes, algbw_GBps=format_rate, busbw_GBps=format_rate)
-        return f
+    def _column(self, key: str) -> Column:
+        """The field ``key`` as shown; all times share one unit, so they compare at a glance."""
+        col = super()._column(key)
+        if col.kind == "time":
+            return Column(key, col.name, "time", group="time")
+        return col
+
+    def _notes(self) -> List[str]:
+        """Why ops were unsupported or wrong (the ``note`` field), once per op and note."""
+        return list(dict.fromkeys(f"{r['op']}: {r['note']}" for r in self
+                                  if r.get("note") and r.get("op")))
 
     def _columns_shown(self) -> List[str]:
         return [c for c in self.SHOWN if any(c in r for r in self)] or self.columns()

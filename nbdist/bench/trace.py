@@ -24,8 +24,8 @@ import re
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
+from ..report.table import Column
 from .records import Table
-from .units import format_bytes, format_time
 
 # profiler dtype names (C++ type names) -> (torch name, bytes per element)
 _DTYPES = {"float": ("float32", 4), "double": ("float64", 8), "c10::Half": ("float16", 2),
@@ -127,11 +127,14 @@ def _collect(prof, rank: int) -> List[Dict[str, Any]]:
 
 
 class Summary(Table):
-    """Per-op totals of a :class:`Trace` (see :meth:`Trace.summary`)."""
+    """Per-op totals of a :class:`Trace` (see :meth:`Trace.summary`); shown as a table with
+    ``size`` (bytes per call), ``time`` and ``mean`` in one unit each and ``share (%)``."""
 
-    def _formatters(self):
-        return {"bytes": format_bytes, "time_s": format_time, "mean_s": format_time,
-                "share": lambda v: "-" if v is None else f"{100 * v:.1f}%"}
+    def _column(self, key: str) -> Column:
+        """The field ``key`` as shown; ``share`` (a fraction) in percent."""
+        if key == "share":
+            return Column(key, "share", "fraction", decimals=1)
+        return super()._column(key)
 
 
 class Trace:

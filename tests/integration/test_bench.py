@@ -281,7 +281,8 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
                     "--plot", str(png), "--no-progress"])
     assert rc == 0
     text = capsys.readouterr().out
-    assert text.splitlines()[0].split() == Records.SHOWN
+    assert text.splitlines()[0].split()[:4] == ["op", "size", "(KiB)", "world_size"]
+    assert text.splitlines()[2].split()[:2] == ["all_reduce", "4"]  # 4 KiB, in the header's unit
     assert "memcpy (one core):" in text and f"records written to {out}" in text
     records = Records.from_json(out)
     assert [(r["op"], r["bytes"]) for r in records] == [("all_reduce", 4096),
