@@ -1,6 +1,8 @@
 """Measured per-rank memory: records, the report that tabulates and plots them, ``measure``."""
 from __future__ import annotations
 
+import csv
+import io
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
@@ -9,8 +11,9 @@ from torch import nn
 
 from .. import strategies as _strategies
 from . import accounting
-from .accounting import human_bytes, unit_for
-from .formulas import _STAGES, MB, Estimate, estimate
+from ..report.table import Column, TableView
+from .accounting import human_bytes
+from .formulas import _STAGES, Estimate, estimate
 
 @dataclass
 class MemoryRecord:
@@ -52,44 +55,83 @@ class MemoryRecord:
         return None if not self.estimate else self.model_state / self.estimate - 1.0
 
 
+_STATE = [("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
+          ("model_state", "state"), ("estimate", "estimate")]
+_COLUMNS = ([Column("strategy", kind="text"), Column("rank", kind="number")]
+            + [Column(key, name, "bytes_si", group="state") for key, name in _STATE]
+            + [Column("diff", kind="fraction", decimals=1, signed=True)]
+            + [Column(key, name, "bytes_si") for key, name in (
+                ("other", "other"), ("in_flight", "in-flight"), ("peak", "peak"), ("rss", "rss"))])
+_BYTES = ("params", "grads", "optimizer", "model_state", "estimate", "other", "in_flight", "peak",
+          "rss", "rss_base")
+
+
 class MemoryReport(list):
-    """A list of :class:`MemoryRecord` (rank-major per strategy) with a table and a plot."""
+    """A list of :class:`MemoryRecord` (rank-major per strategy) with a table and a plot.
+
+    A notebook shows it as an HTML table, a terminal as text (:meth:`table`): one decimal unit per
+    column, named in its header (``params (MB)``; the model-state columns share theirs). The
+    exports (:meth:`to_dicts`, :meth:`to_csv`, :meth:`to_pandas`) keep bytes.
+    """
+
+    def _view(self) -> TableView:
+        notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 for note in r.notes]
+        return TableView(self.to_dicts(), _COLUMNS, notes)
 
     def table(self) -> str:
-        """A plain-text table (unit picked by size; rss in MB), then rank 0's notes per strategy."""
-        scale, unit = unit_for(max([r.model_state for r in self] or [0]))
-        cols = ("strategy", "rank", f"params {unit}", "grads", "optim", "state", "estimate",
-                "diff", "other", "in-flight", "peak", "rss MB")
-        rows = [cols]
-        for r in self:
-            rows.append((r.strategy, str(r.rank)) + tuple(
-                _fmt(v, scale) for v in (r.params, r.grads, r.optimizer, r.model_state,
-                                         r.estimate))
-                + ("" if r.diff is None else f"{r.diff:+.1%}", _fmt(r.other, scale),
-                   _fmt(r.in_flight, scale), _fmt(r.peak, scale), _fmt(r.rss, MB)))
-        width = [max(len(row[i]) for row in rows) for i in range(len(cols))]
-        lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w) for i, (c, w) in
-                           enumerate(zip(row, width))) for row in rows]
-        lines.insert(1, "-" * len(lines[0]))
-        for r in self:
-            if r.rank == 0 and r.notes:
-                lines += [f"{r.strategy}: {note}" for note in r.notes]
-        return "\n".join(lines)
+        """A plain-text table, each column in the unit of its header, then rank 0's notes per
+        strategy."""
+        return self._view().text()
+
+    def _repr_html_(self) -> str:
+        return self._view()._repr_html_()
+
+    def __repr__(self) -> str:
+        return f"<MemoryReport: {len(self)} records>\n{self.table()}"
 
     def to_dicts(self) -> List[Dict[str, Any]]:
-        """The records as plain dicts (for JSON or ``pandas.DataFrame``)."""
+        """The records as plain dicts (for JSON or ``pandas.DataFrame``); sizes in bytes."""
         return [dict(asdict(r), model_state=r.model_state, diff=r.diff) for r in self]
+
+    def _flat(self) -> List[Dict[str, Any]]:
+        """One flat row per record, the unit in the name: ``params_bytes``, ``rss_bytes``..."""
+        keep = ("strategy", "rank", "world_size", "device", "num_params")
+        return [dict({k: d[k] for k in keep}, **{f"{k}_bytes": d[k] for k in _BYTES},
+                     diff=d["diff"], formula=d["formula"], notes="; ".join(d["notes"]))
+                for d in self.to_dicts()]
+
+    def to_csv(self, path=None) -> Optional[str]:
+        """Write CSV (bytes, in columns named ``params_bytes``...) to ``path`` (a file name or an
+        open text file); return the text if no path."""
+        rows = self._flat()
+        buf = io.StringIO()
+        writer = csv.DictWriter(buf, fieldnames=list(rows[0]) if rows else [],
+                                lineterminator="\n")
+        writer.writeheader()
+        writer.writerows({k: "" if v is None else v for k, v in row.items()} for row in rows)
+        if path is None:
+            return buf.getvalue()
+        if hasattr(path, "write"):
+            path.write(buf.getvalue())
+        else:
+            with open(path, "w", encoding="utf-8", newline="") as f:
+                f.write(buf.getvalue())
+        return None
+
+    def to_pandas(self):
+        """The rows of :meth:`to_csv` as a ``pandas.DataFrame`` (needs pandas)."""
+        try:
+            import pandas as pd
+        except ImportError as err:
+            raise ImportError("to_pandas() needs pandas (pip install pandas); to_csv() and "
+                              "to_dicts() work without it.") from err
+        return pd.DataFrame(self._flat())
 
     def plot(self, ax=None):
         """Stacked bars per rank and strategy with the estimate marked (needs matplotlib)."""
         from ..ui.plots.memory import plot_memory
 
         return plot_memory(self, ax=ax)
-
-
-def _fmt(v: Optional[float], scale: float) -> str:
-    return "-" if v is None else f"{v / scale:.2f}"
-
 
 
 
@@ -146,17 +188,23 @@ def _explain(rec: MemoryRecord, est: Estimate) -> List[str]:
     return notes
 
 
+_ESTIMATE_COLUMNS = [Column("strategy", kind="text"), Column("stage", kind="text")] + [
+    Column(key, name, "bytes_si", group="bytes") for key, name in (
+        ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
+        ("total", "per rank"))]
+
+
 def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
-                   precision: str = "fp32", optimizer: str = "adam") -> str:
-    """A plain-text table of :func:`estimate` for each strategy, with the formulas used."""
-    rows = [("strategy", "stage", "params", "grads", "optimizer", "per rank")]
-    formulas = []
+                   precision: str = "fp32", optimizer: str = "adam") -> TableView:
+    """:func:`estimate` for each strategy as a table, with the formulas used under it.
+
+    ``str()`` of the result is the plain-text table (``print`` it in a terminal); a notebook
+    shows it as HTML. All sizes are in one decimal unit, named in the headers.
+    """
+    rows, formulas = [], []
     for name in strategies:
         e = estimate(num_params, world_size, name, precision, optimizer)
-        rows.append((name, _STAGES[e.stage]) + tuple(human_bytes(v) for v in (
-            e.params, e.grads, e.optimizer_state, e.total)))
+        rows.append({"strategy": name, "stage": _STAGES[e.stage], "params": e.params,
+                     "grads": e.grads, "optimizer": e.optimizer_state, "total": e.total})
         formulas.append(f"{name}: {e.formula}")
-    width = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.rjust(w) if i > 1 else c.ljust(w)
-                       for i, (c, w) in enumerate(zip(r, width))) for r in rows]
-    return "\n".join(lines[:1] + ["-" * len(lines[0])] + lines[1:] + formulas)
+    return TableView(rows, _ESTIMATE_COLUMNS, formulas)
