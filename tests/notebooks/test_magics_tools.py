@@ -9,14 +9,18 @@ pytestmark = pytest.mark.timeout(180)
 def test_dist_mem_measures_on_the_current_group(shell, dist_group):
     with capture_output() as cap:
         shell.run_line_magic("dist_mem", "--model mlp:2x64 --strategies ddp,zero1 --steps 1 --batch 4")
-    assert "ddp" in cap.stdout and "zero1" in cap.stdout
+    table = cap.outputs[0].data
+    assert "ddp" in table["text/plain"] and "zero1" in table["text/plain"]
+    assert "<th style='text-align:right'>params (KB)</th>" in table["text/html"]
     assert any("image/png" in o.data for o in cap.outputs)
 
 
 def test_dist_mem_with_a_parameter_count_only_estimates(shell, no_group):
     with capture_output() as cap:
         shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,fsdp --world-sizes 64")
-    assert "120.0 GB" in cap.stdout and "1.9 GB" in cap.stdout
+    table = cap.outputs[0].data
+    assert "per rank (MB)" in table["text/html"] and "per rank (MB)" in table["text/plain"]
+    assert ">120000</td>" in table["text/html"] and ">1875</td>" in table["text/html"]
     assert any("image/png" in o.data for o in cap.outputs)
 
 
@@ -24,7 +28,7 @@ def test_dist_mem_takes_a_model_factory_from_the_notebook(shell, dist_group):
     shell.run_cell("import torch\ndef tiny():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8))")
     with capture_output() as cap:
         shell.run_line_magic("dist_mem", "--model tiny --strategies ddp --steps 1 --no-plot")
-    assert "ddp" in cap.stdout and not cap.outputs
+    assert len(cap.outputs) == 1 and "ddp" in cap.outputs[0].data["text/html"]  # no plot
 
 
 def test_dist_mem_usage_errors(shell, dist_group):

@@ -48,7 +48,7 @@ class MemoryMagics(NbdistMagics):
             if isinstance(spec, int):
                 sizes = [int(n) for n in args.world_sizes.split(",")]
                 for n in sizes:
-                    print(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
+                    display(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
                 if not args.no_plot:
                     _show_figure(memory.estimate_curve(spec, names, sizes,
                                                        precision=args.precision,
@@ -58,7 +58,7 @@ class MemoryMagics(NbdistMagics):
                                     args.batch, precision=args.precision, profile=args.profile)
         except (ValueError, TypeError) as err:
             raise UsageError(f"{err}\n{usage(self.dist_mem)}") from None
-        print(report.table())
+        display(report)
         if not args.no_plot:
             _show_figure(report.plot())
         return None

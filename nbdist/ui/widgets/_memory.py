@@ -3,7 +3,6 @@ optimizer; Run measures per-rank memory on the group (stacked bars with the ZeRO
 world-size slider redraws the analytic estimate at once, without touching the group."""
 from __future__ import annotations
 
-import html
 from typing import Callable, Optional, Sequence
 
 import ipywidgets as widgets
@@ -187,7 +186,7 @@ class MemoryPanel(Panel):
             return
         self._bars.value = figure_png(lambda ax: report.plot(ax=ax),
                                       (max(5.0, 0.45 * len(report) + 2.5), 3.8))
-        self._report_table.value = _pre(report.table())
+        self._report_table.value = _html(report._repr_html_())
         self._draw_estimate()
 
     @observe("model", "strategies", "precision", "optimizer", "world_size", "num_params")
@@ -197,7 +196,7 @@ class MemoryPanel(Panel):
 
     def _draw_estimate(self) -> None:
         args = (self.num_params, self.world_size, self.strategies, self.precision, self.optimizer)
-        table = _pre(memory.estimate_table(*args))  # checked first: it raises on a bad input
+        table = _html(memory.estimate_table(*args)._repr_html_())  # first: it raises on bad input
         self._estimate_figure.value = figure_png(
             lambda ax: memory.estimate_curve(self.num_params, self.strategies,
                                              precision=self.precision, optimizer=self.optimizer
@@ -207,9 +206,8 @@ class MemoryPanel(Panel):
         self._estimate_table.value = table  # after the figure: the table showing N means both do
 
 
-def _pre(text: str) -> str:
-    return (f"<pre style='font-size:smaller;line-height:1.25;white-space:pre;overflow-x:auto'>"
-            f"{html.escape(text)}</pre>")
+def _html(table: str) -> str:
+    return f"<div style='font-size:smaller;overflow-x:auto'>{table}</div>"
 
 
 def _count(model_fn) -> int:
