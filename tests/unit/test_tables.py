@@ -1,0 +1,225 @@
+"""Tables people read (nbdist.report.table): one unit per column, in its header, in HTML and text;
+the benchmark and memory tables built on it; exports that keep raw SI values."""
+import csv
+import io
+import json
+import re
+
+import pytest
+
+from nbdist import bench, memory
+from nbdist.bench import Records, Table, Trace
+from nbdist.memory import MemoryRecord, MemoryReport
+from nbdist.report.table import KINDS, Column, TableView
+
+pytestmark = pytest.mark.timeout(30)
+
+META = dict(dtype="float32", world_size=2, backend="gloo", device="cpu", iters=3, warmup=1)
+
+
+def _sweep():
+    """all_reduce at 4 KiB and 64 MiB: times from 12 µs to 31 ms, rates from 0.3 to 2 GB/s."""
+    def point(nbytes, t):
+        return bench.summarize("all_reduce", [{"status": "ok", "bytes": nbytes, "count": nbytes // 4,
+                                               "times": [t] * 3, "verified": True,
+                                               "note": None}] * 2, **META)
+    return Records([point(4 << 10, 1.2e-5), point(64 << 20, 3.1e-2)])
+
+
+def _html_table(markup):
+    """(headers, rows of cells) of the one <table> in ``markup``."""
+    heads = re.findall(r"<th(?: [^>]*)?>(.*?)</th>", markup)
+    rows = [re.findall(r"<td(?: [^>]*)?>(.*?)</td>", tr) for tr in
+            re.findall(r"<tr>(.*?)</tr>", markup.split("<tbody>")[1])]
+    return heads, rows
+
+
+def _text_table(text):
+    """(header line, data lines) of a text table: the line after the header is its rule."""
+    lines = text.splitlines()
+    assert set(lines[1]) == {"-"} and len(lines[1]) == len(lines[0])
+    return lines[0], lines[2:]
+
+
+# ---- the renderer -------------------------------------------------------------------------
+def test_a_column_of_4_KiB_and_64_MiB_is_in_one_unit():
+    view = TableView([{"bytes": 4 << 10}, {"bytes": 64 << 20}], ["bytes"])
+    assert view.headers() == ["size (KiB)"] and view.cells() == [["4"], ["65536"]]
+    heads, rows = _html_table(view._repr_html_())
+    assert heads == ["size (KiB)"] and rows == [["4"], ["65536"]]
+
+
+@pytest.mark.parametrize("kind,values,header,cells", [
+    ("time", [1.2e-5, 3.1e-3], "t (µs)", ["12", "3100"]),
+    ("time", [1.25e-5, 3.1e-3], "t (µs)", ["12.5", "3100.0"]),
+    ("time", [2.0, 0.5], "t (ms)", ["2000", "500"]),
+    ("time", [0, None], "t (s)", ["0", "-"]),
+    ("bytes", [1536, 3 << 20], "t (KiB)", ["1.50", "3072.00"]),
+    ("bytes_si", [31.4e9, 1.875e9], "t (GB)", ["31.40", "1.88"]),
+    ("rate", [0.0123, 5.4321], "t (GB/s)", ["0.012", "5.432"]),
+    ("fraction", [0.3, 0.05], "t (%)", ["30", "5"]),
+    ("number", [1, 0.5], "t", ["1", "0.5"]),
+    ("text", ["a", None], "t", ["a", "-"]),
+])
+def test_every_number_of_a_column_is_in_the_headers_unit(kind, values, header, cells):
+    view = TableView([{"t": v} for v in values], [Column("t", kind=kind)])
+    assert view.headers() == [header] and [c for (c,) in view.cells()] == cells
+
+
+def test_a_group_of_columns_shares_one_unit_and_decimals_can_be_fixed():
+    rows = [{"a": 2e-3, "b": 5e-6, "c": 0.123}]
+    view = TableView(rows, [Column("a", kind="time", group="t"), Column("b", kind="time", group="t"),
+                            Column("c", kind="fraction", decimals=1, signed=True)])
+    assert view.headers() == ["a (µs)", "b (µs)", "c (%)"]
+    assert view.cells() == [["2000", "5", "+12.3"]]
+
+
+def test_text_aligns_numbers_right_and_text_left_with_notes_under_it():
+    view = TableView([{"op": "all_reduce", "time_s": 1.2e-5}, {"op": "barrier", "time_s": 3.1e-3}],
+                     ["op", "time_s"], notes=["barrier: a note"])
+    text = str(view)
+    assert text == repr(view) == view.text()
+    header, lines = _text_table(text)
+    assert header == "op          time (µs)"
+    assert lines == ["all_reduce         12", "barrier          3100", "barrier: a note"]
+    assert len({len(line) for line in lines[:2]} | {len(header)}) == 1  # columns line up
+
+
+def test_html_escapes_cells_and_notes_and_aligns_by_kind():
+    view = TableView([{"name": "<b>&", "n": 3}], ["name", "n"], notes=["x < y"])
+    markup = view._repr_html_()
+    assert markup.startswith("<table><caption") and "<b>" not in markup
+    assert "&lt;b&gt;&amp;" in markup and "x &lt; y" in markup
+    assert "<th style='text-align:left'>name</th>" in markup
+    assert "<td style='text-align:right'>3</td>" in markup
+
+
+def test_ipython_shows_the_text_and_the_html():
+    from IPython.core.formatters import DisplayFormatter
+
+    view = TableView([{"bytes": 4096}], ["bytes"])
+    data, _ = DisplayFormatter().format(view)
+    assert data["text/plain"] == str(view) and "size (KiB)" in data["text/html"]
+
+
+def test_columns_say_what_is_wrong():
+    with pytest.raises(ValueError, match=r"unknown column kind 'seconds' for 't'; valid kinds: "
+                                         r"time, bytes"):
+        Column("t", kind="seconds")
+    assert set(KINDS) >= {"time", "bytes", "bytes_si", "rate", "fraction", "number", "text"}
+    assert Column.for_key("busbw_GBps") == Column("busbw_GBps", "busbw", "rate")
+    assert Column.for_key("params_bytes") == Column("params_bytes", "params", "bytes")
+    assert Column.for_key("_s") == Column("_s")
+
+
+# ---- benchmark tables ---------------------------------------------------------------------
+def test_sweep_table_has_one_unit_per_column_in_html_and_text():
+    records = _sweep()
+    heads, rows = _html_table(records._repr_html_())
+    assert heads == ["op", "size (KiB)", "world_size", "backend", "time (µs)", "p90 (µs)",
+                     "mean (µs)", "algbw (GB/s)", "busbw (GB/s)", "status"]
+    assert [r[1] for r in rows] == ["4", "65536"]
+    assert [r[4] for r in rows] == ["12", "31000"]  # not "12 µs" and "31 ms"
+    assert [r[8] for r in rows] == ["0.341", "2.165"]  # 4096 B / 12 µs, times 2 (n - 1) / n
+    header, lines = _text_table(str(records))
+    assert header.startswith("op          size (KiB)  world_size  backend  time (µs)")
+    assert "µs" not in "".join(lines) and "GB/s" not in "".join(lines)
+    assert len({len(line) for line in lines}) == 1
+
+
+def test_sweep_exports_stay_raw_si():
+    records = _sweep()
+    rows = list(csv.DictReader(io.StringIO(records.to_csv())))
+    assert float(rows[0]["time_s"]) == 1.2e-5 and int(rows[1]["bytes"]) == 64 << 20
+    assert float(rows[0]["busbw_GBps"]) == pytest.approx(4096 / 1.2e-5 / 1e9)
+    assert json.loads(records.to_json())[1]["mean_s"] == pytest.approx(3.1e-2)
+    assert Records.from_csv(io.StringIO(records.to_csv())) == records
+
+
+def test_unsupported_ops_are_explained_under_the_table():
+    row = dict(_sweep()[0], status="unsupported", note="gloo has no all_to_all", op="all_to_all")
+    records = Records([row, dict(row)])
+    assert str(records).splitlines()[-1] == "all_to_all: gloo has no all_to_all"
+    assert "<caption" in records._repr_html_()
+
+
+def test_trace_summary_and_plain_tables():
+    tr = Trace([{"rank": 0, "op": "all_reduce", "bytes": 4096, "dtype": "float32", "start": 1.0,
+                 "duration": 2e-3, "issued": 1.0},
+                {"rank": 0, "op": "barrier", "bytes": None, "dtype": None, "start": 1.5,
+                 "duration": 5e-5, "issued": 1.5}], {0: (1.0, 2.0)})
+    heads, rows = _html_table(tr.summary()._repr_html_())
+    assert heads == ["op", "calls", "size (KiB)", "time (µs)", "mean (µs)", "share (%)"]
+    assert rows[0] == ["all_reduce", "1", "4", "2000", "2000", "0.2"]
+    assert rows[1][2] == "-"
+    assert Table([{"a": 1, "b": "x"}]).format() == "a  b\n----\n1  x"
+
+
+# ---- memory tables ------------------------------------------------------------------------
+def _record(strategy, rank, params, **kw):
+    base = dict(world_size=2, device="cpu", num_params=params // 4, params=params, grads=params,
+                optimizer=2 * params, other=1500, in_flight=0, peak=None, rss=412_000_000,
+                rss_base=300_000_000, accuracy={"params": "exact"}, estimate=4 * params,
+                formula="ZeRO-0")
+    base.update(kw)
+    return MemoryRecord(strategy, rank, **base)
+
+
+def _report():
+    return MemoryReport([_record("ddp", 0, 4_000_000), _record("ddp", 1, 4_000_000),
+                         _record("fsdp", 0, 2_000_000, estimate=7_900_000,
+                                 notes=["fsdp & friends"]),
+                         _record("fsdp", 1, 2_000_000)])
+
+
+def test_memory_table_has_units_in_headers_and_one_unit_per_column():
+    report = _report()
+    heads, rows = _html_table(report._repr_html_())
+    assert heads == ["strategy", "rank", "params (MB)", "grads (MB)", "optim (MB)",
+                     "state (MB)", "estimate (MB)", "diff (%)", "other (KB)", "in-flight (B)",
+                     "peak (B)", "rss (MB)"]
+    assert rows[0][2:8] == ["4", "4", "8", "16", "16.00", "+0.0"]
+    assert rows[2][2:8] == ["2", "2", "4", "8", "7.90", "+1.3"]  # a group: one unit for all five
+    assert rows[0][8:] == ["1.50", "0", "-", "412"]
+    assert "fsdp: fsdp &amp; friends" in report._repr_html_()
+    header, lines = _text_table(report.table())
+    assert header.startswith("strategy  rank  params (MB)") and lines[-1] == "fsdp: fsdp & friends"
+    assert repr(report).startswith("<MemoryReport: 4 records>\n" + header)
+    from IPython.core.formatters import DisplayFormatter
+
+    data, _ = DisplayFormatter().format(report)
+    assert data["text/plain"] == repr(report) and "params (MB)" in data["text/html"]
+
+
+def test_memory_exports_keep_bytes():
+    report = _report()
+    assert report.to_dicts()[0]["params"] == 4_000_000 and report.to_dicts()[0]["diff"] == 0
+    rows = list(csv.DictReader(io.StringIO(report.to_csv())))
+    assert rows[0]["params_bytes"] == "4000000" and rows[0]["rss_bytes"] == "412000000"
+    assert rows[0]["peak_bytes"] == "" and rows[2]["notes"] == "fsdp & friends"
+    assert "params" not in rows[0]  # every size names its unit
+    pd = pytest.importorskip("pandas")
+    frame = report.to_pandas()
+    assert isinstance(frame, pd.DataFrame) and frame["model_state_bytes"].tolist()[0] == 16_000_000
+
+
+def test_memory_csv_to_a_file(tmp_path):
+    _report().to_csv(tmp_path / "m.csv")
+    assert (tmp_path / "m.csv").read_text().startswith("strategy,rank,world_size")
+    buf = io.StringIO()
+    assert _report().to_csv(buf) is None and buf.getvalue().startswith("strategy,")
+
+
+def test_estimate_table_text_and_html():
+    table = memory.estimate_table("7.5B", 64, ["ddp", "zero1", "fsdp"], "bf16-mixed")
+    text = str(table)
+    header, lines = _text_table(text)
+    assert header.startswith("strategy  stage") and header.endswith("per rank (MB)")
+    assert lines[0].split()[-1] == "120000" and lines[1].split()[-1] == "31406"
+    assert lines[2].split()[-1] == "1875"
+    assert lines[3].startswith("ddp: plain DP: 2Ψ + 2Ψ + 12Ψ = 16Ψ")
+    heads, rows = _html_table(table._repr_html_())
+    assert heads == ["strategy", "stage", "params (MB)", "grads (MB)", "optimizer (MB)",
+                     "per rank (MB)"]
+    assert rows[2] == ["fsdp", "ZeRO-3", "234", "234", "1406", "1875"]
+    assert "Ψ=7,500,000,000, N=64" in table._repr_html_()
