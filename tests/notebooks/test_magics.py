@@ -60,7 +60,8 @@ def test_cell_magic_has_help(shell):
 USAGE_ERRORS = [
     ("dist_start", "-n 0", "argument -n/--world-size: expected a positive int, got '0'"),
     ("dist_start", "-n two", "expected a positive int, got 'two'"),
-    ("dist_start", "--timeout 0", "expected a positive float, got '0'"),
+    ("dist_start", "--timeout 0",
+     "argument --timeout: expected a positive number of seconds, e.g. 30; got '0'"),
     ("dist_start", "--bogus", "unrecognized arguments: --bogus"),
     ("dist_restart", "-n -1", "expected a positive int, got '-1'"),
     ("dist_restart", "--backend bogus", "unknown backend 'bogus'"),
@@ -71,15 +72,24 @@ USAGE_ERRORS = [
     ("dist", "--ranks a,b rank", "expected rank numbers separated by commas, e.g. 0,2; got 'a,b'"),
     ("dist", "--ranks -1 rank", "expected rank numbers separated by commas"),
     ("dist", "--ranks 0,5 rank", "--ranks 5: the group has ranks 0..1"),
-    ("dist", "--timeout -1 rank", "expected a positive float, got '-1'"),
+    ("dist", "--timeout -1 rank", "expected a positive number of seconds, e.g. 30; got '-1'"),
     ("dist", "--nope rank", "unrecognized arguments: --nope"),
     ("autodist", "--ranks x", "expected rank numbers separated by commas"),
     ("dist_push", "", "the following arguments are required: names"),
     ("dist_push", "not_defined_anywhere", "not defined in the kernel: not_defined_anywhere"),
-    ("dist_push", "--ranks 7 some_value", "ranks must be ints in 0..1, got [7]"),
+    ("dist_push", "--ranks 7 some_value", "--ranks 7: the group has ranks 0..1"),
     ("dist_push", "a_lock", "cannot send the pushed value to the ranks"),
     ("dist_pull", "", "the following arguments are required: names"),
-    ("dist_pull", "--rank 9 rank", "ranks must be ints in 0..1, got [9]"),
+    ("dist_pull", "--rank 9 rank", "--rank 9: the group has ranks 0..1"),
+    ("dist_pull", "--rank x rank", "argument --rank: expected a rank number, e.g. 0; got 'x'"),
+    ("dist_pull", "--rank -1 rank", "argument --rank: expected a rank number, e.g. 0; got '-1'"),
+    ("dist", "--timeout nan rank", "expected a positive number of seconds, e.g. 30; got 'nan'"),
+    ("dist", "--timeout inf rank", "expected a positive number of seconds, e.g. 30; got 'inf'"),
+    ("dist_start", "--timeout 1e999", "expected a positive number of seconds, e.g. 30; got '1e9"),
+    ("dist_restart", "--timeout nan", "expected a positive number of seconds, e.g. 30; got 'nan'"),
+    ("dist_restart", "--device tpu", "device must be 'auto' or one of"),
+    ("autodist", "--ranks 5", "--ranks 5: the group has ranks 0..1"),
+    ("autodist", "--timeout inf", "expected a positive number of seconds, e.g. 30; got 'inf'"),
     ("dist_pull", "1x", "pull() takes variable names, got '1x'"),
 ]
 
@@ -103,6 +113,15 @@ def test_cell_form_usage_error(shell, dist_group):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("line", ["--ranks 5", "--trace --ranks 5", "--trace --ranks 0,5 -q"])
+def test_cell_form_checks_ranks_before_anything_runs(shell, dist_group, line):
+    with pytest.raises(UsageError, match="--ranks 5: the group has ranks 0..1\nusage: %dist "):
+        shell.run_cell_magic("dist", line, "traced_or_not = rank")
+    assert dist_group.exec("'traced_or_not' in globals() or '_nbdist_trace' in globals()") == \
+        [False, False]
+
+
+@pytest.mark.timeout(60)
 @pytest.mark.parametrize("line", ["%dist rank", "%dist_restart", "%autodist", "%dist_push x",
                                   "%dist_pull x"])
 def test_without_a_group_magics_say_how_to_start_one(shell, no_group, line):
@@ -116,6 +135,7 @@ def test_without_a_group_magics_say_how_to_start_one(shell, no_group, line):
 @pytest.mark.parametrize("line,message", [
     ("--backend bogus", "unknown backend 'bogus'"),
     ("-n 100000", "world_size=100000 is more than this machine runs well on device 'cpu'"),
+    ("--device tpu", "device must be 'auto' or one of ['cpu', 'cuda', 'xpu'], got 'tpu'"),
 ])
 def test_start_refuses_what_the_group_refuses(shell, no_group, line, message):
     with pytest.raises(UsageError) as info:

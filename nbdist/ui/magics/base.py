@@ -2,19 +2,17 @@
 from __future__ import annotations
 
 import argparse
-import contextlib
-import html
-import re
+import math
 import weakref
-from typing import Iterator, List, Optional, Sequence
+from typing import List, Optional, Sequence
 
 from IPython.core.error import UsageError
 from IPython.core.getipython import get_ipython
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import publish_display_data
+from IPython.core.magic import Magics
+from IPython.core.magic_arguments import parse_argstring
+from IPython.display import display
 
-from ...runtime.group import Group, current_group, start, use_group
+from ...runtime.group import Group, current_group
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
@@ -37,7 +35,10 @@ def _is_loaded(shell) -> bool:
     return any(isinstance(m, NbdistMagics) for m in shell.magics_manager.registry.values())
 
 
+# argparse ``type=`` converters: a wrong value raises ArgumentTypeError, which argparse reports as
+# "argument --OPTION: <message>": say what is expected, with an example, and what was given.
 def _positive(kind):
+    """A positive ``int``: ``"0"``, ``"-1"``, ``"1.5"`` and ``"x"`` are refused."""
     def convert(text: str):
         try:
             value = kind(text)
@@ -51,6 +52,38 @@ def _positive(kind):
     return convert
 
 
+def _at_least_zero(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an int of at least 0, got {text!r}")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds (``nan`` and ``inf`` are no deadline)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value < math.inf:
+        raise argparse.ArgumentTypeError(
+            f"expected a positive number of seconds, e.g. 30; got {text!r}")
+    return value
+
+
+def _rank(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a rank number, e.g. 0; got {text!r}")
+    return value
+
+
 def _rank_list(text: str) -> List[int]:
     try:
         ranks = [int(part) for part in text.split(",")]
@@ -60,6 +93,40 @@ def _rank_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(
             f"expected rank numbers separated by commas, e.g. 0,2; got {text!r}")
     return ranks
+
+
+def _world_sizes(text: str) -> List[int]:
+    try:
+        sizes = [int(part) for part in text.split(",")]
+    except ValueError:
+        sizes = [0]
+    if min(sizes) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected world sizes separated by commas, e.g. 8,64,512; got {text!r}")
+    return sizes
+
+
+def _strategy_list(text: str) -> List[str]:
+    from ...strategies import get_strategy
+
+    names = [name.strip() for name in text.split(",")]
+    if not all(names):
+        raise argparse.ArgumentTypeError(
+            f"expected strategy names separated by commas, e.g. ddp,zero1,fsdp; got {text!r}")
+    for name in names:
+        try:
+            get_strategy(name)
+        except ValueError as err:  # names the valid ones
+            raise argparse.ArgumentTypeError(str(err)) from None
+    return names
+
+
+def check_ranks(ranks: Optional[Sequence[int]], world_size: int, option: str, magic) -> None:
+    """``UsageError`` naming ``option`` if a rank is not in ``0..world_size-1``."""
+    bad = sorted({r for r in ranks or () if r >= world_size})
+    if bad:
+        raise UsageError(f"{option} {','.join(map(str, bad))}: the group has ranks "
+                         f"0..{world_size - 1}\n{usage(magic)}")
 
 
 class NbdistMagics(Magics):

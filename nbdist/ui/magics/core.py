@@ -2,27 +2,19 @@
 ``%dist_push``/``%dist_pull``."""
 from __future__ import annotations
 
-import argparse
 import contextlib
 import html
 import re
-import weakref
 from typing import Iterator, List, Optional, Sequence
 
 from IPython.core.error import UsageError
-from IPython.core.getipython import get_ipython
-from IPython.core.magic import Magics, line_cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.core.magic import line_cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
 from ...runtime.group import Group, current_group, start, use_group
-
-_started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
-_magic_classes: List[type] = []
-
-
-from .base import (NbdistMagics, _positive, _rank_list, _show_figure, _started, register_magics,
-                   usage)
+from .base import (NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure, _started,
+                   check_ranks, register_magics, usage)
 
 
 @register_magics
@@ -43,7 +35,7 @@ class DistMagics(NbdistMagics):
               help="number of ranks (2)")
     @argument("--backend", default="auto", metavar="B", help="gloo, nccl, ... (default: auto)")
     @argument("--device", default="auto", metavar="D", help="cpu, cuda or auto")
-    @argument("--timeout", type=_positive(float), default=60.0, metavar="S",
+    @argument("--timeout", type=_seconds, default=60.0, metavar="S",
               help="torch.distributed timeout in seconds (60)")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
@@ -66,8 +58,7 @@ class DistMagics(NbdistMagics):
     @argument("-n", "--world-size", type=_positive(int), metavar="N", help="new number of ranks")
     @argument("--backend", metavar="B", help="new backend")
     @argument("--device", metavar="D", help="new device")
-    @argument("--timeout", type=_positive(float), metavar="S",
-              help="new torch.distributed timeout (s)")
+    @argument("--timeout", type=_seconds, metavar="S", help="new torch.distributed timeout (s)")
     def dist_restart(self, line: str = "") -> None:
         """Restart the current group with fresh workers; options not given stay as they were.
 
@@ -109,7 +100,7 @@ class DistMagics(NbdistMagics):
     @magic_arguments()
     @argument("--ranks", type=_rank_list, metavar="R[,R...]",
               help="comma-separated ranks, e.g. 0,2 (default: all)")
-    @argument("--timeout", type=_positive(float), metavar="S", help="deadline for the cell (s)")
+    @argument("--timeout", type=_seconds, metavar="S", help="deadline for the cell (s)")
     @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
     @argument("--trace", action="store_true",
               help="record the collectives the cell issues; show a summary and a timeline")
@@ -138,11 +129,8 @@ class DistMagics(NbdistMagics):
                      timeout: Optional[float] = None, quiet: bool = False) -> None:
         """Run ``source`` on ``ranks`` of the current group and show each rank's value."""
         group = self.group
+        check_ranks(ranks, group.world_size, "--ranks", self.dist)
         targets = list(range(group.world_size)) if ranks is None else sorted(set(ranks))
-        bad = [r for r in targets if r >= group.world_size]
-        if bad:
-            raise UsageError(f"--ranks {','.join(map(str, bad))}: the group has ranks "
-                             f"0..{group.world_size - 1}\n{usage(self.dist)}")
         values = group.exec(source, ranks=targets, timeout=timeout)
         if not quiet:
             for rank, value in zip(targets, values):
@@ -156,6 +144,7 @@ class DistMagics(NbdistMagics):
         from ...bench import Trace
 
         group = self.group
+        check_ranks(ranks, group.world_size, "--ranks", self.dist)  # before the trace starts
         group.exec("import nbdist.bench as _nbdist_bench\n"
                    "_nbdist_trace_cm = _nbdist_bench.trace()\n"
                    "_nbdist_trace = _nbdist_trace_cm.__enter__()", ranks=ranks)
@@ -209,7 +198,7 @@ class DistMagics(NbdistMagics):
     @magic_arguments()
     @argument("--ranks", type=_rank_list, metavar="R[,R...]",
               help="comma-separated ranks, e.g. 0,2 (default: all)")
-    @argument("--timeout", type=_positive(float), metavar="S", help="deadline for each cell (s)")
+    @argument("--timeout", type=_seconds, metavar="S", help="deadline for each cell (s)")
     @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
     def autodist(self, line: str = "") -> None:
         """Toggle running every cell on the ranks, as if each began with %%dist (and these options).
@@ -222,7 +211,7 @@ class DistMagics(NbdistMagics):
             self.autodist_off()
             print("nbdist: autodist off: cells run in the kernel again.")
             return
-        self.group  # noqa: B018 -- UsageError now, not on the next cell
+        check_ranks(args.ranks, self.group.world_size, "--ranks", self.autodist)  # now, not later
         options = [f"--ranks {','.join(map(str, args.ranks))}" if args.ranks else "",
                    f"--timeout {args.timeout:g}" if args.timeout else "",
                    "--quiet" if args.quiet else ""]
@@ -253,6 +242,7 @@ class DistMagics(NbdistMagics):
     def dist_push(self, line: str = "") -> None:
         """Copy kernel variables, by name, to the ranks (tensors travel via shared memory)."""
         args = self.parse(self.dist_push, line)
+        check_ranks(args.ranks, self.group.world_size, "--ranks", self.dist_push)
         missing = [name for name in args.names if name not in self.shell.user_ns]
         if missing:
             raise UsageError(f"not defined in the kernel: {', '.join(missing)}\n"
@@ -264,12 +254,14 @@ class DistMagics(NbdistMagics):
     @line_magic
     @magic_arguments()
     @argument("names", nargs="+", help="variables to copy from the ranks into the kernel")
-    @argument("--rank", type=int, metavar="R",
+    @argument("--rank", type=_rank, metavar="R",
               help="take the value of this rank (default: a list, one per rank)")
     def dist_pull(self, line: str = "") -> None:
         """Copy variables from the ranks into the kernel: a list with one value per rank, or the
         value of one rank with --rank R."""
         args = self.parse(self.dist_pull, line)
+        check_ranks([args.rank] if args.rank is not None else None, self.group.world_size,
+                    "--rank", self.dist_pull)
         ranks = None if args.rank is None else [args.rank]
         with self._usage(self.dist_pull):
             values = self.group.pull(*args.names, ranks=ranks)

@@ -8,7 +8,8 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .base import NbdistMagics, _show_figure, register_magics, usage
+from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _strategy_list,
+                   _world_sizes, register_magics, usage)
 
 
 @register_magics
@@ -21,13 +22,13 @@ class MemoryMagics(NbdistMagics):
     @argument("--model", default="mlp:4x2236", metavar="SPEC",
               help="mlp:LAYERSxWIDTH, a parameter count such as 7.5B (estimate only), or the "
                    "name of a function in this notebook that builds the model")
-    @argument("--strategies", default="ddp,zero1,fsdp", metavar="S[,S...]",
+    @argument("--strategies", type=_strategy_list, default="ddp,zero1,fsdp", metavar="S[,S...]",
               help="strategy names, e.g. ddp,zero1,fsdp_grad_op,fsdp,fsdp2")
     @argument("--optimizer", default="adam", help="adam, adamw, momentum or sgd")
     @argument("--precision", default="fp32", help="fp32 or bf16-mixed")
-    @argument("--steps", type=int, default=2, help="training steps per strategy (2)")
-    @argument("--batch", type=int, default=16, help="samples per rank (16)")
-    @argument("--world-sizes", default="2,8,64,512,4096", metavar="N[,N...]",
+    @argument("--steps", type=_positive(int), default=2, help="training steps per strategy (2)")
+    @argument("--batch", type=_positive(int), default=16, help="samples per rank (16)")
+    @argument("--world-sizes", type=_world_sizes, default="2,8,64,512,4096", metavar="N[,N...]",
               help="world sizes for the estimate plot of a parameter count")
     @argument("--profile", action="store_true", help="measure the step's peak (CPU profiler)")
     @argument("--no-plot", action="store_true", help="table only")
@@ -41,12 +42,12 @@ class MemoryMagics(NbdistMagics):
         from ... import memory
 
         args = self.parse(self.dist_mem, line)
-        names = [n.strip() for n in args.strategies.split(",") if n.strip()]
+        names = args.strategies
         model = self.shell.user_ns.get(args.model)
         try:
             spec = model if callable(model) else memory.model_spec(args.model)
             if isinstance(spec, int):
-                sizes = [int(n) for n in args.world_sizes.split(",")]
+                sizes = args.world_sizes
                 for n in sizes:
                     display(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
                 if not args.no_plot:
@@ -75,8 +76,9 @@ class BenchMagics(NbdistMagics):
               help="all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, "
                    "barrier, send_recv")
     @argument("--sizes", default="4K-16M", metavar="RANGE", help="e.g. 4K-64M or 1K,1M")
-    @argument("--iters", type=int, default=10, help="measured iterations per point (10)")
-    @argument("--warmup", type=int, default=3, help="unmeasured iterations first (3)")
+    @argument("--iters", type=_positive(int), default=10,
+              help="measured iterations per point (10)")
+    @argument("--warmup", type=_at_least_zero, default=3, help="unmeasured iterations first (3)")
     @argument("--dtype", default="float32")
     @argument("--no-limit", action="store_true", help="don't measure and draw the memcpy line")
     @argument("--no-plot", action="store_true", help="table only")
