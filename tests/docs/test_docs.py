@@ -27,7 +27,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 BUILD_TIMEOUT = 540  # s; the build takes ~60 s on 2 idle cores
 
 PAGES = ["index", "install", "platforms", "guide", "tutorials", "multinode", "benchmarks",
-         "troubleshooting", "api"]
+         "troubleshooting", "api", "architecture"]
 
 
 def _run_group(cmd, timeout, **kwargs):
@@ -117,8 +117,9 @@ def test_api_reference_from_docstrings(site):
                 "nbdist.backends.register_backend", "nbdist.backends.resolve_backend",
                 "module-nbdist.strategies", "nbdist.strategies.wrap", "module-nbdist.memory",
                 "nbdist.memory.measure", "module-nbdist.lightning", "nbdist.lightning.fit",
-                "module-nbdist.ui.magics", "module-nbdist.store_backend"}
-    for optional in ("nbdist.bench", "nbdist.shm", "nbdist.ui.widgets"):
+                "module-nbdist.ui.magics", "module-nbdist.backends.store", "module-nbdist.runtime",
+                "module-nbdist.wire", "module-nbdist.report", "module-nbdist.ui"}
+    for optional in ("nbdist.bench", "nbdist.backends.shm", "nbdist.ui.widgets"):
         try:
             __import__(optional)
         except ImportError:
@@ -238,3 +239,15 @@ def test_readme_has_a_binder_badge_opening_jupyterlab_on_the_tutorials():
                       r"\.org/v2/gh/[^)]+)\)", readme)
     assert badge, "no Binder badge in README.md"
     assert "urlpath=lab" in badge.group(1) and "notebooks" in badge.group(1)
+
+
+@pytest.mark.timeout(BUILD_TIMEOUT + 60)
+def test_architecture_page_draws_the_parts_and_links_the_runtime_docstring(site):
+    page = _page(site, "architecture")
+    text = _text(page)
+    for part in ("nbdist.ui", "nbdist.lightning", "nbdist.bench", "nbdist.memory",
+                 "nbdist.strategies", "nbdist.runtime", "nbdist.backends", "nbdist.wire",
+                 "nbdist.errors", "nbdist.report", "Where does my change go?"):
+        assert part in text, part
+    # {py:mod}`nbdist.runtime` resolved to the API page (an unresolved one renders without a link)
+    assert 'href="api.html#module-nbdist.runtime"' in page
