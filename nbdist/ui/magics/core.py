@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import html
 import re
+import sys
 from typing import Iterator, List, Optional, Sequence
 
 from IPython.core.error import UsageError
@@ -12,9 +13,12 @@ from IPython.core.magic import line_cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
+from ...errors import NbdistError
 from ...runtime.group import Group, current_group, start, use_group
 from .base import (NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure, _started,
                    check_ranks, register_magics, usage)
+
+_STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
 
 @register_magics
@@ -150,14 +154,29 @@ class DistMagics(NbdistMagics):
                    "_nbdist_trace = _nbdist_trace_cm.__enter__()", ranks=ranks)
         try:
             self.run_on_ranks(source, ranks, timeout, quiet)
-        finally:
-            traces = group.exec("_nbdist_trace_cm.__exit__(None, None, None)\n_nbdist_trace",
-                                ranks=ranks)
+        except BaseException:
+            self._stop_trace_after_failure(group, ranks)
+            raise
+        traces = group.exec(f"{_STOP_TRACE}\n_nbdist_trace", ranks=ranks)
         merged = Trace.merge(traces)
         summary = merged.summary()
         publish_display_data({"text/plain": str(summary), "text/html": summary._repr_html_()})
         if len(merged):
             _show_figure(merged.plot())
+
+    @staticmethod
+    def _stop_trace_after_failure(group: Group, ranks: Optional[Sequence[int]]) -> None:
+        """Stop the recording on the ranks after the traced cell failed, without hiding the cell's
+        error (the caller re-raises it). Nothing to stop if the failure broke the group: its ranks
+        are gone, and a restart (``%dist_restart``, or ``auto_restart``) brings fresh ones."""
+        if group.state != "ready":
+            return
+        try:
+            group.exec(_STOP_TRACE, ranks=ranks)
+        except NbdistError as err:  # the cell's own error follows; say why the recording may run on
+            print(f"nbdist: could not stop the --trace recording on the ranks "
+                  f"({type(err).__name__}: {str(err).splitlines()[0]}); %dist_restart stops it.",
+                  file=sys.stderr)
 
     def _show(self, rank: int, value) -> None:
         data, metadata = self.shell.display_formatter.format(value)
