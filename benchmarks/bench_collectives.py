@@ -21,14 +21,13 @@ Raw samples go to the JSON file; a summary is printed. The group is stopped at t
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import platform
 import statistics
 import sys
 import time
 
+import harness
 import nbdist
 from nbdist import bench
 from nbdist.bench.units import MiB, bandwidths, format_rate
@@ -226,22 +225,17 @@ def _ddp_traced_step():
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="fewer rounds and iterations")
-    p.add_argument("--sections", default="fidelity,limit,trace")
+    p = harness.arg_parser(__doc__, "bench_collectives_results.json", ["fidelity", "limit", "trace"],
+                           quick="fewer rounds and iterations")
     p.add_argument("--world-size", type=int, default=2)
-    p.add_argument("--out", default="bench_collectives_results.json")
     p.add_argument("--figures", default=None, help="directory for the PNG figures")
     args = p.parse_args(argv)
     cfg = QUICK if args.quick else FULL
     sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     if args.figures:
         os.makedirs(args.figures, exist_ok=True)
-    import torch
-
-    raw = {"config": dict(cfg, world_size=args.world_size), "machine": {
-        "python": platform.python_version(), "torch": torch.__version__, "cpus": os.cpu_count(),
-        "platform": platform.platform()}, "started": time.time(), "load_before": os.getloadavg()}
+    raw = {"config": dict(cfg, world_size=args.world_size), "machine": harness.machine_info(),
+           "started": time.time(), "load_before": os.getloadavg()}
     with nbdist.start(args.world_size, backend="gloo", device="cpu") as g:
         if "fidelity" in sections:
             fidelity(g, cfg, raw)

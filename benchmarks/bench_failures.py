@@ -18,7 +18,6 @@ import glob
 import json
 import os
 import signal
-import statistics
 import tempfile
 import threading
 import time
@@ -29,11 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as tmp
 
 import nbdist
-
-
-def _stats(xs):
-    xs = sorted(xs)
-    return {"median": statistics.median(xs), "min": xs[0], "max": xs[-1], "n": len(xs)}
+from harness import summary as _stats  # median, p10, p90, min, max, mean, n
 
 
 def death_nbdist(reps: int, stamp: str):

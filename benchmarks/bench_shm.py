@@ -20,14 +20,12 @@ Targets from the issue: all_reduce busbw at 16-256 MiB >= 3x gloo with 2 ranks a
 """
 from __future__ import annotations
 
-import argparse
 import json
-import os
-import platform
 import statistics
 import sys
 import time
 
+import harness
 import nbdist
 from nbdist import bench
 from nbdist.bench.units import MiB, bandwidths, format_rate
@@ -51,9 +49,9 @@ def one_round(points, shm_first):
     import torch
     import torch.distributed as dist
 
-    import nbdist.shm
+    import nbdist.backends.shm
 
-    shm_group = dist.new_group(backend=nbdist.shm.register())
+    shm_group = dist.new_group(backend=nbdist.backends.shm.register())
     # torch 2.13's names (the older ones warn); fall back on older torch
     all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -160,16 +158,14 @@ def report(n, points, samples, memcpy, threads):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="3 rounds, up to 64 MiB")
+    parser = harness.arg_parser(__doc__, "bench_shm_results.json", quick="3 rounds, up to 64 MiB")
     parser.add_argument("--rounds", type=int, default=None, help="rounds (default 5, quick 3)")
     parser.add_argument("--world-sizes", default="2,4", help="comma-separated, default 2,4")
-    parser.add_argument("--out", default="bench_shm_results.json", help="raw samples (JSON)")
     args = parser.parse_args(argv)
     rounds = args.rounds or (3 if args.quick else 5)
     points = QUICK_POINTS if args.quick else POINTS
-    raw = {"machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
-                       "started": time.strftime("%Y-%m-%d %H:%M:%S")}, "points": points}
+    raw = {"machine": harness.machine_info(started=time.strftime("%Y-%m-%d %H:%M:%S")),
+           "points": points}
     verdicts = {}
     for n in (int(w) for w in args.world_sizes.split(",")):
         verdicts[n] = run_world(n, rounds, points, raw)
