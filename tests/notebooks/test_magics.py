@@ -1,6 +1,7 @@
 """nbdist's magics driven through a real (in-process) IPython shell, on real worker processes."""
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import sys
@@ -74,6 +75,8 @@ USAGE_ERRORS = [
     ("dist", "--ranks 0,5 rank", "--ranks 5: the group has ranks 0..1"),
     ("dist", "--timeout -1 rank", "expected a positive number of seconds, e.g. 30; got '-1'"),
     ("dist", "--nope rank", "unrecognized arguments: --nope"),
+    ("dist", "--t 5 rank", "ambiguous option: --t could match --timeout, --trace"),
+    ("dist", "--every 5 rank", "unrecognized arguments: --every\nusage"),
     ("autodist", "--ranks x", "expected rank numbers separated by commas"),
     ("dist_push", "", "the following arguments are required: names"),
     ("dist_push", "not_defined_anywhere", "not defined in the kernel: not_defined_anywhere"),
@@ -199,6 +202,22 @@ def test_line_form_ranks_and_quiet(shell, dist_group):
     assert texts(run(shell, "%dist --ranks=1 --timeout 30 -q rank")[1]) == []
     assert texts(run(shell, "%%dist --quiet\nrank")[1]) == []
     assert texts(run(shell, "%dist x = rank")[1]) == []  # a statement has no value
+    assert texts(run(shell, "%dist -rank")[1]) == ["Out[rank 0]: 0", "Out[rank 1]: -1"]
+    assert texts(run(shell, "%dist -q -rank")[1]) == []
+    assert texts(run(shell, "%dist --ranks 1 -1 * rank")[1]) == ["Out[rank 1]: -1"]
+    assert texts(run(shell, "%dist --ranks 0 -- --rank")[1]) == ["Out[rank 0]: 0"]
+
+
+@pytest.mark.timeout(60)
+def test_line_form_splits_off_any_option_the_parser_has(shell, dist_group, monkeypatch):
+    """The options of %dist statement end where argparse says: an option added to the parser
+    (here --every N) is split off with its value, abbreviated or not, with no list to update."""
+    parser = copy.deepcopy(magics.DistMagics.dist.parser)
+    parser.add_argument("--every", type=int, metavar="N")
+    monkeypatch.setattr(magics.DistMagics.dist, "parser", parser)
+    assert texts(run(shell, "%dist --every 3 rank")[1]) == ["Out[rank 0]: 0", "Out[rank 1]: 1"]
+    assert texts(run(shell, "%dist --ev 3 --ranks 1 rank")[1]) == ["Out[rank 1]: 1"]
+    assert texts(run(shell, "%dist --ranks=1 --every=3 rank")[1]) == ["Out[rank 1]: 1"]
 
 
 @pytest.mark.timeout(120)

@@ -3,8 +3,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 import weakref
-from typing import List, Optional, Sequence
+from typing import List, Optional, Sequence, Tuple
 
 from IPython.core.error import UsageError
 from IPython.core.getipython import get_ipython
@@ -146,6 +147,52 @@ class NbdistMagics(Magics):
             return parse_argstring(magic, line)
         except UsageError as err:
             raise UsageError(f"{err}\n{usage(magic)}") from None
+
+
+class _OptionsError(Exception):
+    """The options before a statement are wrong; the magic's own parser says how."""
+
+
+class _StatementSplitter(argparse.ArgumentParser):
+    """A magic's options (copied from its parser), then the statement: everything from the first
+    word argparse does not take as an option or an option's value."""
+
+    def __init__(self, magic):
+        super().__init__(parents=[magic.parser], add_help=False,
+                         allow_abbrev=magic.parser.allow_abbrev)
+        self.add_argument("statement", nargs=argparse.REMAINDER)
+
+    def error(self, message):
+        raise _OptionsError(message)
+
+
+def split_statement(magic, line: str) -> Tuple[str, str]:
+    """``--ranks 0 --quiet x = 1`` -> (``"--ranks 0 --quiet"``, ``"x = 1"``), for a line magic
+    whose parser has options only; the statement keeps its text as typed.
+
+    Where the options end is argparse's decision, made with the magic's own parser, so an option
+    added to the magic is known here too. ``--`` ends the options; a word that starts with one dash
+    and is no option (``-x``) starts the statement; an unknown ``--word`` stays with the options
+    and is reported by the magic's parser. If the options are wrong, the whole line is returned as
+    options, for the magic's parser to say what is wrong.
+    """
+    words = list(re.finditer(r"\S+", line))
+    tokens = [w.group() for w in words]
+    try:
+        known, unknown = _StatementSplitter(magic).parse_known_args(tokens)
+    except _OptionsError:
+        return line.strip(), ""
+    start = len(tokens) - len(known.statement)
+    loose = [t for t in unknown if not t.startswith("--")]  # "-x": an expression, no option
+    if loose:
+        start = min(start, tokens.index(loose[0]))
+    options = tokens[:start]
+    if start < len(tokens) and tokens[start] == "--":  # argparse keeps it in the statement
+        start += 1
+    elif options and options[-1] == "--":  # or drops it (newer Pythons)
+        options.pop()
+    statement = line[words[start].start():].strip() if start < len(tokens) else ""
+    return " ".join(options), statement
 
 
 def usage(magic) -> str:

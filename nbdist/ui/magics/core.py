@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import html
-import re
 import sys
 from typing import Iterator, List, Optional, Sequence
 
@@ -16,7 +15,7 @@ from IPython.display import publish_display_data
 from ...errors import NbdistError
 from ...runtime.group import Group, current_group, start, use_group
 from .base import (NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure, _started,
-                   check_ranks, register_magics, usage)
+                   check_ranks, register_magics, split_statement, usage)
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
@@ -25,8 +24,6 @@ _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_tra
 @magics_class
 class DistMagics(NbdistMagics):
     """``%dist_start``, ``%%dist``, ``%autodist``, push/pull, status, restart and stop."""
-
-    _VALUED = ("--ranks", "--timeout")  # %dist options that take a value (or a prefix of one)
 
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
@@ -117,7 +114,7 @@ class DistMagics(NbdistMagics):
         with -- when the statement itself starts with --.
         """
         if cell is None:
-            options, cell = self._split_options(line)
+            options, cell = split_statement(self.dist, line)
             args = self.parse(self.dist, options)
             if not cell:
                 raise UsageError("%dist needs a statement to run on the ranks, e.g. "
@@ -192,26 +189,6 @@ class DistMagics(NbdistMagics):
         if "text/html" in data:
             data["text/html"] = f"<div><b>{html.escape(label)}</b></div>" + data["text/html"]
         publish_display_data(data, metadata)
-
-    def _split_options(self, line: str):
-        """``--ranks 0 --quiet x = 1`` -> (``"--ranks 0 --quiet"``, ``"x = 1"``)."""
-        options: List[str] = []
-        rest = line
-        while True:
-            match = re.match(r"\s*(\S+)", rest)
-            if match is None or not (match.group(1).startswith("--") or match.group(1) == "-q"):
-                break
-            word = match.group(1)
-            rest = rest[match.end():]
-            if word == "--":
-                break
-            options.append(word)
-            if "=" not in word and len(word) > 2 and any(v.startswith(word) for v in self._VALUED):
-                value = re.match(r"\s*(\S+)", rest)
-                if value is not None:
-                    options.append(value.group(1))
-                    rest = rest[value.end():]
-        return " ".join(options), rest.strip()
 
     @line_magic
     @magic_arguments()
