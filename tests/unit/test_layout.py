@@ -72,6 +72,15 @@ def test_lint_imports_keeps_every_contract():
     assert "0 broken" in out.stdout
 
 
+def test_modules_stay_under_400_lines():
+    big = {}
+    for path in list(PACKAGE.rglob("*.py")) + list((ROOT / "benchmarks").glob("*.py")):
+        n = len(path.read_text(encoding="utf-8").splitlines())
+        if n > MAX_LINES:
+            big[str(path.relative_to(ROOT))] = n
+    assert big == {}
+
+
 def test_top_level_is_only_the_front_door_the_cli_and_the_errors():
     modules = {p.name for p in PACKAGE.glob("*.py")}
     assert modules == TOP_LEVEL
