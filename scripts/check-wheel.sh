@@ -4,7 +4,7 @@
 #
 #   1. `python -m build` makes the sdist, then the wheel *from the sdist* (so both are complete or
 #      this fails); the wheel must hold every file `git ls-files nbdist` lists, only nbdist, and the
-#      version written in nbdist/__init__.py;
+#      version written in nbdist/__init__.py, which CHANGELOG.md has a section for;
 #   2. a fresh `python -m venv` (no system site-packages) gets torch from constraints-dev.txt, the
 #      wheel with its `notebook` extra, nbclient and ipykernel;
 #   3. from a directory outside the repository (the source tree cannot be imported by accident):
@@ -15,6 +15,7 @@
 #
 #   bash scripts/check-wheel.sh           # ~1-2 min on 2 cores; .ci/run calls it after the tests
 #   KEEP=1 bash scripts/check-wheel.sh    # keep the temp directory (dist/, venv/, logs) to look at
+#   DIST_DIR=dist bash scripts/check-wheel.sh   # and copy the checked sdist and wheel there (releases)
 #   PYTHON=python3.12 bash scripts/check-wheel.sh   # the interpreter for the fresh venv
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
@@ -98,6 +99,9 @@ if missing := sorted(expected - in_sdist):
 for needed in ("pyproject.toml", "README.md", "LICENSE"):
     if needed not in in_sdist:
         problems.append(f"{needed} is not in the sdist")
+changelog = Path(tracked).parent / "src/CHANGELOG.md"
+if changelog.exists() and f"## [{version}]" not in changelog.read_text():
+    problems.append(f"CHANGELOG.md has no '## [{version}]' section for the version being built")
 if extra := sorted(shipped - expected):
     print(f"   note: in the wheel but not in the source: {extra}")
 if problems:
@@ -109,7 +113,7 @@ EOF
 step "fresh venv: torch (constraints-dev.txt), the wheel[notebook], nbclient, ipykernel"
 run 120 "$WORK/venv.log" "$PY" -m venv "$WORK/venv"
 V="$WORK/venv/bin"
-run 600 "$WORK/pip.log" "$V/python" -m pip install -c "$ROOT/constraints-dev.txt" \
+run 600 "$WORK/pip.log" "$V/python" -m pip install --no-compile -c "$ROOT/constraints-dev.txt" \
   "torch==$(sed -n 's/^torch==//p' "$ROOT/constraints-dev.txt")" "$WHEEL[notebook]" nbclient ipykernel
 
 # -- 3. smoke tests from outside the repository --------------------------------------------------------
@@ -183,4 +187,10 @@ print(f"executed {len(nb.cells)} cells in {last[0]}")
 EOF
 tail -n 1 "$WORK/notebook.log" | sed 's/^/   /'
 
+if [ -n "${DIST_DIR:-}" ]; then
+  case $DIST_DIR in /*) dest=$DIST_DIR ;; *) dest=$ROOT/$DIST_DIR ;; esac  # relative: to the repo
+  mkdir -p "$dest"
+  cp "$SDIST" "$WHEEL" "$dest/"
+  echo "   copied to $dest/: $(basename "$SDIST") $(basename "$WHEEL")"
+fi
 step "check-wheel: OK ($(basename "$WHEEL"))"
