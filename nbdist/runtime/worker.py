@@ -15,6 +15,7 @@ so workers never outlive a killed kernel.
 """
 from __future__ import annotations
 
+import _signal
 import ast
 import atexit
 import ctypes
@@ -46,6 +47,34 @@ _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
 
 def _ignore_sigint(signum, frame):
     """SIGINT outside user code (while talking to the controller) is ignored: no torn messages."""
+
+
+# SIGINT reaches a rank's main thread only while the user's code runs (Python's default handler
+# then raises KeyboardInterrupt). The rest of the time it is blocked in the main thread -- and in
+# every thread started at start-up, which inherit the mask -- and ignored: a stray interrupt (a
+# burst from the notebook's interrupt button, one that lands as a call ends) can never kill the
+# rank or tear a message. Where it matters the C functions of ``_signal`` are called, not
+# ``signal``'s Python wrappers: entering a Python function is a point where CPython runs the
+# handlers of signals already received.
+_SIGINT = {_signal.SIGINT}
+_SIGMASK = hasattr(_signal, "pthread_sigmask")  # not on Windows
+
+
+def _sigint_ignored() -> None:
+    """SIGINT blocked in this thread (and in the threads it starts from now on), then ignored.
+    Once the mask is set only an interrupt received before can still be raised."""
+    if _SIGMASK:
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, _SIGINT)
+    _signal.signal(_signal.SIGINT, _ignore_sigint)
+
+
+def _sigint_to_user() -> None:
+    """Before the user's code: interrupts that came while the rank was idle are dropped (they are
+    delivered as SIGINT is unblocked, still to the ignoring handler), then SIGINT raises
+    KeyboardInterrupt."""
+    if _SIGMASK:
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, _SIGINT)
+    _signal.signal(_signal.SIGINT, signal.default_int_handler)
 
 
 class _Worker:
@@ -203,14 +232,30 @@ class _Worker:
             channel.send_bytes(reply)
 
     def _handle(self, handler, payload, seq) -> bytes:
+        error = None
+        quiet = False
         try:
             try:
-                signal.signal(signal.SIGINT, signal.default_int_handler)
+                _sigint_to_user()
                 value = handler(payload)
             finally:
-                signal.signal(signal.SIGINT, _ignore_sigint)
+                _sigint_ignored()
+                quiet = True
         except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
-            return transport.encode(("err", seq, _failure(exc, self.rank), []))
+            error = exc  # an interrupt that cut the finally short is the call's too
+        # Cut short, Python's default handler may still be installed and SIGINT unblocked: finish
+        # inline (no Python function entered). The C call sets the mask before it runs pending
+        # handlers, so a KeyboardInterrupt it raises was received before: after it none can come.
+        while not quiet:
+            try:
+                if _SIGMASK:
+                    _signal.pthread_sigmask(_signal.SIG_BLOCK, _SIGINT)
+                _signal.signal(_signal.SIGINT, _ignore_sigint)
+                quiet = True
+            except KeyboardInterrupt:
+                continue  # received before the mask: dropped, the call reports the first
+        if error is not None:
+            return transport.encode(("err", seq, _failure(error, self.rank), []))
         try:
             data, paths = serialize.dumps(value, None, pool=self.pool)
         except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file
@@ -255,7 +300,7 @@ except (OSError, AttributeError):  # pragma: no cover -- Windows
 
 def main(cfg: Dict[str, Any]) -> None:
     """Entry point of a local worker process (``cfg`` comes from :class:`nbdist.Group`)."""
-    signal.signal(signal.SIGINT, _ignore_sigint)
+    _sigint_ignored()  # before any thread starts: they all inherit the blocked SIGINT
     os.environ.clear()
     os.environ.update(cfg["env"])
     worker = _Worker(cfg)
@@ -314,7 +359,7 @@ def cli(argv=None) -> None:
     rank = _launcher_env("RANK", "SLURM_PROCID", "PMI_RANK")
     world = _launcher_env("WORLD_SIZE", "SLURM_NTASKS", "PMI_SIZE")
     local_rank = int(os.environ.get("LOCAL_RANK") or os.environ.get("SLURM_LOCALID") or 0)
-    signal.signal(signal.SIGINT, _ignore_sigint)
+    _sigint_ignored()  # before any thread starts: they all inherit the blocked SIGINT
     address = (host.strip("[]"), int(port))
     hello = {"rank": rank, "role": "control", "pid": os.getpid(), "world_size": world,
              "host": socket.gethostname(), "node": os.environ.get("GROUP_RANK")
