@@ -12,10 +12,13 @@ import importlib.machinery as _machinery
 import sys as _sys
 
 from .backends import available_backends, register_backend, resolve_backend
-from .errors import (BackendError, DistTimeoutError, GroupClosedError, GroupInterrupted,
-                     NbdistError, RankDiedError, RemoteError)
+from .errors import (BackendError, DistTimeoutError, GroupBusyError, GroupClosedError,
+                     GroupInterrupted, NbdistError, RankDiedError, RemoteError)
 from .runtime.api import attach, launch, start, stop_all
 from .runtime.group import Group, current_group, use_group
+from .runtime.jobs import Job
+from .runtime.metrics import Metrics
+from .runtime.ranklog import log
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
@@ -23,8 +26,11 @@ __all__ = sorted([
     "BackendError",
     "DistTimeoutError",
     "Group",
+    "GroupBusyError",
     "GroupClosedError",
     "GroupInterrupted",
+    "Job",
+    "Metrics",
     "NbdistError",
     "RankDiedError",
     "RemoteError",
@@ -33,6 +39,7 @@ __all__ = sorted([
     "current_group",
     "launch",
     "load_ipython_extension",
+    "log",
     "register_backend",
     "resolve_backend",
     "start",

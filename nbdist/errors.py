@@ -8,7 +8,8 @@ Every error nbdist raises on purpose derives from :class:`NbdistError`::
     ├── DistTimeoutError     a call or the rendezvous did not finish in time (names the ranks)
     ├── GroupInterrupted     the caller interrupted a call (says which ranks were killed)
     ├── BackendError         a backend is unknown or not available here (also a ``ValueError``)
-    └── GroupClosedError     the group was stopped, or must be restarted before use
+    ├── GroupClosedError     the group was stopped, or must be restarted before use
+    └── GroupBusyError       a background job is running on the group
 
 User mistakes in arguments (a world size of 0, a device name nbdist does not know) raise plain
 ``ValueError`` / ``TypeError`` with a message that says what was expected.
@@ -40,6 +41,14 @@ class BackendError(NbdistError, ValueError):
 
 class GroupClosedError(NbdistError):
     """The group was stopped, or is broken and needs ``restart()`` before the next call."""
+
+
+class GroupBusyError(NbdistError):
+    """A call needs the group while a background job runs on it; ``job`` is that job."""
+
+    def __init__(self, message: str, job=None):
+        self.job = job
+        super().__init__(message)
 
 
 class RemoteError(NbdistError):

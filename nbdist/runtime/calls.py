@@ -23,7 +23,8 @@ from typing import Any, Dict, List, Optional
 
 from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
                       RemoteFailure, hint_for, ranks_phrase)
-from ..wire import serialize, transport
+from ..wire import pool, serialize, transport
+from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
 
@@ -43,6 +44,8 @@ class Call:
         self.replies: Dict[int, tuple] = {}
         self.dead: set = set()
         self.outcome: Optional[str] = None
+        self.metrics = Metrics()  #: what the ranks logged with nbdist.log during the call
+        self._cancelled = False
 
     def send(self, rs: RankSet) -> None:
         """Send the request to every target (a rank whose channel fails is caught by the wait)."""
@@ -77,6 +80,10 @@ class Call:
                 self.dead.add(r)
                 rs.forget(r)
                 continue
+            if status == "log":
+                if s == self.seq:
+                    self.metrics.add(body)
+                continue
             if s == self.seq and r in self.pending:
                 self.pending.discard(r)
                 self.replies[r] = (status, body, paths)
@@ -84,14 +91,26 @@ class Call:
             else:
                 rs.release(r, paths)  # a late reply nobody will read
 
-    def wait(self, rs: RankSet) -> str:
-        """Block until the outcome is known; return it (also kept in :attr:`outcome`)."""
+    def cancel(self) -> None:
+        """Ask the waiting thread to end the call as interrupted (any thread; see ``tick``)."""
+        self._cancelled = True
+
+    def wait(self, rs: RankSet, tick: Optional[float] = None) -> str:
+        """Block until the outcome is known; return it (also kept in :attr:`outcome`).
+
+        ``tick``: wake at least this often to notice :meth:`cancel` (background jobs).
+        """
         try:
             while self.pending and not self.dead:
+                if self._cancelled:
+                    self.outcome = INTERRUPTED
+                    return self.outcome
                 remaining = None if self.deadline is None else self.deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     self.outcome = TIMEOUT
                     return self.outcome
+                if tick is not None:
+                    remaining = tick if remaining is None else min(remaining, tick)
                 self.poll(rs, remaining)
         except KeyboardInterrupt:
             self.outcome = INTERRUPTED
@@ -187,17 +206,22 @@ def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
     failures: Dict[int, RemoteFailure] = {}
     for r in sorted(call.replies):
         status, body, paths = call.replies[r]
-        if status == "ok":
+        if status != "ok":
+            failures[r] = failure_from(body)
+            rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
+            results.append(None)
+            continue
+        with pool.claiming() as claimed:
             try:
                 results.append(serialize.loads(body))
                 continue
             except Exception as err:  # noqa: BLE001 -- e.g. a class only the ranks can import
+                # Segments rebuilt before the failure are given back by their tensors' finalizers;
+                # those never reached must be given back here, or the rank never reuses them.
+                rs.release(r, [p for p in paths or () if p not in claimed])
                 failures[r] = RemoteFailure(
                     r, type(err).__name__, f"the result of rank {r} could not be unpickled "
                     f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
-        else:
-            failures[r] = failure_from(body)
-            rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
         results.append(None)
     rs.relay.drain(flush_partial=True)
     if failures:

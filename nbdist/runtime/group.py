@@ -16,50 +16,20 @@ import contextvars
 import itertools
 import os
 import secrets
-import sys
-import shutil
-import tempfile
 import threading
-import weakref
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..errors import GroupClosedError
-from ..wire import pool as shmpool
-from ..wire import segments, serialize
-from ..wire.relay import OutputRelay, Sink, default_sink
+from ..errors import GroupBusyError, GroupClosedError
+from ..wire import segments
+from ..wire.relay import Sink, default_sink
+from . import requests
 from .calls import Call, settle
-from .launcher import Launcher, LocalLauncher
+from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
+from .jobs import Job
+from .launcher import Incarnation, Launcher, LocalLauncher
+from .metrics import Metrics
 from .ranks import Rank, RankSet
 from .status import GroupStatus, check_options, collect_status
-
-_live: "weakref.WeakSet[Group]" = weakref.WeakSet()
-_notes_said: set = set()
-started_ids: set = set()  # ids of every group started in this process (leak checks use them)
-_current: Optional["Group"] = None
-
-
-def current_group() -> Optional["Group"]:
-    """The group the magics and widgets use, or ``None``.
-
-    A group started with :func:`start` / :func:`attach` (or ``%dist_start``, or the launcher
-    widget) becomes current when no other group is running; :func:`use_group` picks one.
-    Code, magics and widgets that call this share one object.
-    """
-    return _current
-
-
-def use_group(group: Optional["Group"]) -> None:
-    """Make ``group`` the current group (``None`` detaches)."""
-    global _current
-    if group is not None and not isinstance(group, Group):
-        raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
-    _current = group
-
-
-def _say_once(note: Optional[str]) -> None:
-    if note and note not in _notes_said:
-        _notes_said.add(note)
-        print(note, file=sys.stderr)
 
 
 class Group:
@@ -94,15 +64,15 @@ class Group:
                  _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)
         self._launcher = _launcher or LocalLauncher()
-        self._store = None
         self._lock = threading.RLock()  # held by a call from send to settle, and by lifecycle
         self._seq = itertools.count(1)
         self._ranks: List[Rank] = []  # the current (or last) ranks, for status()
         self._rs: Optional[RankSet] = None  # the running ranks as a call sees them
         self._state = "new"
         self._stop_requested = False
-        self._tmp: Optional[str] = None
-        self._relay: Optional[OutputRelay] = None
+        self._job: Optional[Job] = None  # the last background job (running or not)
+        self._last_call: Optional[Call] = None
+        self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
         self.output = output
         self._opts: Dict[str, Any] = {}
         self._configure(world_size=world_size, backend=backend, device=device, timeout=timeout,
@@ -112,7 +82,7 @@ class Group:
         _live.add(self)
         started_ids.add(self.id)
         self._launch()
-        if _current is None or _current.state == "stopped":
+        if current_group() is None or current_group().state == "stopped":
             use_group(self)
 
     # ---- configuration ------------------------------------------------------------------------
@@ -149,39 +119,20 @@ class Group:
         return self._state
 
     # ---- lifecycle ----------------------------------------------------------------------------
-    def _threads(self) -> Optional[int]:
-        o, cores = self._opts, os.cpu_count() or 1
-        if o["threads"] is None and "OMP_NUM_THREADS" not in os.environ and \
-                "OMP_NUM_THREADS" not in (o["env"] or {}) and o["world_size"] > 1:
-            threads = max(1, cores // o["world_size"])
-            _say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
-                      f"({cores} cores shared by {o['world_size']} ranks); pass threads= to change.")
-            return threads
-        return o["threads"]
-
     def _launch(self) -> None:
         try:
-            _say_once(self._choice.note)
-            threads = self._threads()
-            segments.sweep_orphans()
-            self._tmp = tempfile.mkdtemp(prefix=f"nbdist-{self.id}-p{os.getpid()}-")
-            self._relay = OutputRelay(self._sink)
-            ranks, self._store = self._launcher.launch(self.id, self._choice, self._opts,
-                                                       threads, self._tmp, self._relay)
-            self._ranks, self._rs = ranks, RankSet(ranks, self._relay)
-            shmpool.set_release_hook(self.id, self._segment_freed)
+            say_once(self._choice.note)
+            self._inc = Incarnation(self.id, self._launcher, self._choice, self._opts, self._sink)
         except BaseException:
-            self._cleanup()
             self._state = "broken"
             raise
+        self._ranks, self._rs = self._inc.rs.ranks, self._inc.rs
         self._state = "ready"
 
-    def _segment_freed(self, path: str) -> None:  # any thread, or the GC (a tensor died)
-        rs = self._rs
-        if rs is not None:
-            rs.freed(path, int(os.path.basename(path).split("-")[2][1:]))
-
     def _sink(self, rank: int, stream: str, text: str) -> None:
+        job = self.job
+        if job is not None:
+            job.add_output(rank, text)
         (self.output or default_sink)(rank, stream, text)
 
     def restart(self, **changes) -> "Group":
@@ -207,6 +158,10 @@ class Group:
         that call's ranks are killed; the call then raises :class:`GroupClosedError` in its own
         thread, which releases everything, and this method waits up to 5 s for that.
         """
+        job = self.job
+        if job is not None:  # a background job: interrupt it first, as Ctrl-C would
+            job.interrupt()
+            job.wait(self._opts["grace"] + 10.0)
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             self._stop_requested = True
             rs = self._rs
@@ -236,10 +191,9 @@ class Group:
 
     def _shutdown(self) -> None:
         """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
-        rs, self._rs = self._rs, None
-        if rs is not None:
-            rs.shutdown()
-        self._cleanup()
+        inc, self._inc, self._rs = self._inc, None, None
+        if inc is not None:
+            inc.shutdown()
 
     def _teardown(self) -> None:
         """After a failure: kill what still runs, release everything; ``restart()`` brings it back."""
@@ -247,19 +201,6 @@ class Group:
             self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
         self._shutdown()
         self._state = "stopped" if self._stop_requested else "broken"
-
-    def _cleanup(self) -> None:
-        if self._relay is not None:
-            self._relay.drain(flush_partial=True)
-            self._relay.close()
-            self._relay = None
-        shmpool.set_release_hook(self.id, None)
-        segments.remove_segments(segments.leftover_segments(self.id))
-        self._store = None
-        self._launcher.cleanup()
-        if self._tmp:
-            shutil.rmtree(self._tmp, ignore_errors=True)
-            self._tmp = None
 
     # ---- calls --------------------------------------------------------------------------------
     def run(self, fn: Callable, *args, **kwargs) -> List[Any]:
@@ -273,11 +214,7 @@ class Group:
     def call(self, fn: Callable, args: Sequence = (), kwargs: Optional[Dict[str, Any]] = None,
              ranks: Optional[Iterable[int]] = None, timeout: Optional[float] = None) -> List[Any]:
         """Like :meth:`run`, on the chosen ``ranks`` (default all) and with a ``timeout`` (s)."""
-        if not callable(fn):
-            raise TypeError(f"fn must be callable, got {type(fn).__name__}")
-        name = getattr(fn, "__qualname__", type(fn).__name__)
-        payload, segs = self._pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}")
-        return self._call("run", payload, ranks, timeout, f"run {name}", segs)
+        return self._call(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout)
 
     def exec(self, source: str, ranks: Optional[Iterable[int]] = None,
              timeout: Optional[float] = None) -> List[Any]:
@@ -286,11 +223,8 @@ class Group:
         Returns each rank's value of the last expression (``None`` if the code ends with a
         statement). The namespace starts with ``torch``, ``dist``, ``rank``, ``world_size``, ``device``.
         """
-        if not isinstance(source, str):
-            raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
-        filename = f"<dist-cell-{next(self._seq)}>"
-        compile(source, filename, "exec")  # a SyntaxError shows here, with its line, no round trip
-        return self._call("exec", (source, filename), ranks, timeout, "exec")
+        req = requests.exec_request(source, f"<dist-cell-{next(self._seq)}>")
+        return self._call(req, ranks, timeout)
 
     def push(self, values: Optional[Dict[str, Any]] = None, /, *, ranks: Optional[Iterable[int]] = None,
              **kwargs) -> None:
@@ -298,46 +232,47 @@ class Group:
 
         CPU tensors travel through shared memory; every rank gets its own copy.
         """
-        merged = dict(values or {})
-        merged.update(kwargs)
-        for name in merged:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise ValueError(f"push() names must be valid identifiers, got {name!r}")
-        payload, segs = self._pickle(merged, "pushed value")
-        self._call("push", payload, ranks, None, f"push {', '.join(merged)}", segs)
+        self._call(requests.push_request(dict(values or {}, **kwargs), self._prefix), ranks, None)
 
     def pull(self, *names: str, ranks: Optional[Iterable[int]] = None) -> List[Any]:
         """Get variables from the ranks: one name -> ``[value_rank0, ...]``; several -> tuples."""
-        if not names:
-            raise ValueError("pull() needs at least one variable name, e.g. g.pull('loss')")
-        for name in names:
-            if not isinstance(name, str) or not name.isidentifier():
-                raise ValueError(f"pull() takes variable names, got {name!r}")
-        values = self._call("pull", tuple(names), ranks, None, f"pull {', '.join(names)}")
+        values = self._call(requests.pull_request(names), ranks, None)
         return [v[0] if len(names) == 1 else v for v in values]
 
-    def _pickle(self, obj: Any, what: str):
-        try:
-            return serialize.dumps(obj, segments.shm_prefix(self.id, "c"), private=True,
-                                   unlink=False)
-        except Exception as err:  # noqa: BLE001 -- cloudpickle raises many types
-            raise TypeError(f"cannot send the {what} to the ranks: it (or something it refers to) "
-                            f"cannot be pickled: {type(err).__name__}: {err}. Define what it needs "
-                            "on the ranks instead (e.g. with exec), or pass picklable data.") from err
+    def submit(self, fn: Callable, *args, ranks: Optional[Iterable[int]] = None,
+               **kwargs) -> Job:
+        """Start ``fn(*args, **kwargs)`` on the ranks in the background; return a :class:`Job`
+        at once. Other calls on the group raise :class:`GroupBusyError` until the job ends."""
+        return self._submit(requests.run_request(fn, args, kwargs, self._prefix), ranks, None,
+                            getattr(fn, "__name__", "job"))
 
-    def _targets(self, ranks: Optional[Iterable[int]]) -> List[int]:
-        if ranks is None:
-            return list(range(self.world_size))
-        if isinstance(ranks, int) and not isinstance(ranks, bool):
-            ranks = [ranks]
-        out = sorted(set(ranks))
-        bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int)
-               or not 0 <= r < self.world_size]
-        if bad or not out:
-            raise ValueError(f"ranks must be ints in 0..{self.world_size - 1}, got {list(ranks)!r}")
-        return out
+    def submit_exec(self, source: str, ranks: Optional[Iterable[int]] = None,
+                    timeout: Optional[float] = None, name: Optional[str] = None) -> Job:
+        """:meth:`exec` in the background (what ``%%dist --bg`` does); returns a :class:`Job`."""
+        req = requests.exec_request(source, f"<dist-cell-{next(self._seq)}>")
+        return self._submit(req, ranks, timeout, name or "cell")
+
+    @property
+    def job(self) -> Optional[Job]:
+        """The background job running on the group (``None`` when none runs)."""
+        job = self._job
+        return job if job is not None and job.running() else None
+
+    @property
+    def metrics(self):
+        """What the ranks logged (``nbdist.log``) during the last call."""
+        return self._last_call.metrics if self._last_call is not None else Metrics()
+
+    @property
+    def _prefix(self) -> str:
+        return segments.shm_prefix(self.id, "c")
 
     def _check_usable(self) -> None:
+        if self.job is not None:
+            raise GroupBusyError(
+                f"the group is busy with background job {self.job.name!r} (running "
+                f"{self.job.elapsed:.1f} s); wait for it with job.wait() or %dist_wait, or stop it "
+                "with job.interrupt(). Calls are never queued behind a job.", self.job)
         if self._state == "stopped":
             raise GroupClosedError("this group was stopped; start a new one with nbdist.start() "
                                    "or call restart() on it.")
@@ -349,44 +284,95 @@ class Group:
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
                                    "above); call restart() to start fresh workers.")
 
-    def _call(self, kind: str, payload: Any, ranks, timeout, what: str, segs=()) -> List[Any]:
+    def _begin(self, req: requests.Request, ranks, timeout) -> Call:
+        """Under the lock: check, make the call, mark busy (nothing sent yet)."""
+        targets = requests.targets(ranks, self.world_size)
+        self._check_usable()
+        timeout = requests.check_timeout(timeout if timeout is not None
+                                         else self._opts["call_timeout"])
+        call = self._last_call = Call(next(self._seq), req.kind, req.payload, targets, timeout,
+                                      req.what)
+        self._inc.relay.context = contextvars.copy_context()
+        self._state = "busy"
+        return call
+
+    def _send(self, call: Call) -> None:
+        try:
+            call.send(self._rs)
+        except BaseException:
+            self._teardown()
+            raise
+
+    def _end(self, call: Call) -> List[Any]:
+        """Under the lock, once the call's outcome is known: the one teardown policy, applied."""
+        try:
+            verdict = settle(call, self._rs, self._opts["grace"], self._opts["auto_restart"],
+                             self.world_size)
+        except BaseException:
+            self._teardown()  # something unforeseen mid-call: no channel can be trusted
+            raise
+        if verdict.broken or self._stop_requested:
+            self._teardown()
+        else:
+            self._state = "ready"
+        if self._stop_requested:
+            raise GroupClosedError(
+                f"this group was stopped (stop() from another thread) while '{call.what}' ran "
+                "on its ranks; they were killed. Start a new group, or restart() "
+                "this one.") from verdict.error
+        if verdict.error is not None:
+            raise verdict.error
+        return verdict.results
+
+    def _call(self, req: requests.Request, ranks, timeout) -> List[Any]:
         try:
             with self._lock:
-                targets = self._targets(ranks)
-                self._check_usable()
-                timeout = timeout if timeout is not None else self._opts["call_timeout"]
-                if timeout is not None and (isinstance(timeout, bool) or timeout <= 0):
-                    raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
-                call = Call(next(self._seq), kind, payload, targets, timeout, what)
-                self._relay.context = contextvars.copy_context()
-                self._state = "busy"
+                call = self._begin(req, ranks, timeout)
+                self._send(call)
                 try:
-                    call.send(self._rs)
                     call.wait(self._rs)
-                    verdict = settle(call, self._rs, self._opts["grace"],
-                                     self._opts["auto_restart"], self.world_size)
                 except BaseException:
-                    self._teardown()  # something unforeseen mid-call: no channel can be trusted
-                    raise
-                if verdict.broken or self._stop_requested:
                     self._teardown()
-                else:
-                    self._state = "ready"
-                if self._stop_requested:
-                    raise GroupClosedError(
-                        f"this group was stopped (stop() from another thread) while '{what}' ran "
-                        "on its ranks; they were killed. Start a new group, or restart() "
-                        "this one.") from verdict.error
-                if verdict.error is not None:
-                    raise verdict.error
-                return verdict.results
+                    raise
+                return self._end(call)
         finally:
-            segments.remove_segments(segs)
+            segments.remove_segments(req.segments)
+
+    def _submit(self, req: requests.Request, ranks, timeout, name: str) -> Job:
+        with self._lock:
+            try:
+                call = self._begin(req, ranks, timeout)
+            except BaseException:
+                segments.remove_segments(req.segments)
+                raise
+            rs = self._rs
+
+            def finish() -> List[Any]:
+                try:
+                    call.wait(rs, tick=0.1)  # no lock held: status() and other cells go on
+                    with self._lock:
+                        return self._end(call)
+                finally:
+                    segments.remove_segments(req.segments)
+
+            job = self._job = Job(name, call, finish)  # before sending: it keeps the output
+            self._send(call)
+            return job.start()
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:
-        """Per-rank state (idle / busy with what since when / dead with exit code), pid, memory."""
-        return collect_status(self._state, self.world_size, self.backend, self.device, self._ranks)
+        """Per-rank state (idle / busy with what since when / dead with exit code), pid, memory,
+        and the background job if one runs."""
+        job = self.job
+        return collect_status(self._state, self.world_size, self.backend, self.device, self._ranks,
+                              job.describe() if job is not None else "")
+
+
+def use_group(group: Optional[Group]) -> None:
+    """Make ``group`` the current group (``None`` detaches)."""
+    if group is not None and not isinstance(group, Group):
+        raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
+    set_current(group)
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",

@@ -12,16 +12,19 @@ with torch preloaded where the OS has forkserver, spawned interpreters elsewhere
 from __future__ import annotations
 
 import os
+import shutil
 import socket
+import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
 import cloudpickle
 
 from ..backends import BackendChoice, resolve_backend
-from ..wire import transport
+from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
+from .current import say_once
 from .forkserver import main_hidden, mp_context, prewarm  # noqa: F401 -- prewarm: documented here
-from .ranks import LocalProcess, Rank, kill_all
+from .ranks import LocalProcess, Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
 
 #: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
@@ -50,6 +53,55 @@ class Launcher:
 
     def cleanup(self) -> None:
         """Remove what :meth:`launch` left on this machine (nothing by default)."""
+
+
+class Incarnation:
+    """What one start of a group made, released together: its temp dir, output relay, rendezvous
+    store and ranks (:class:`~nbdist.runtime.ranks.RankSet`). A failed start releases what it made
+    before the error propagates; :meth:`shutdown` stops the ranks and releases the rest."""
+
+    def __init__(self, group_id: str, launcher: Launcher, choice: BackendChoice,
+                 opts: Dict[str, Any], sink):
+        self.group_id, self.launcher = group_id, launcher
+        self.tmp: Optional[str] = None
+        self.relay: Optional[OutputRelay] = None
+        self.store: Any = None
+        self.rs: Optional[RankSet] = None
+        try:
+            threads = threads_per_rank(opts)
+            segments.sweep_orphans()
+            self.tmp = tempfile.mkdtemp(prefix=f"nbdist-{group_id}-p{os.getpid()}-")
+            self.relay = OutputRelay(sink)
+            ranks, self.store = launcher.launch(group_id, choice, opts, threads, self.tmp,
+                                                self.relay)
+            self.rs = RankSet(ranks, self.relay)
+            pool.set_release_hook(group_id, self._segment_freed)
+        except BaseException:
+            self._release()
+            raise
+
+    def _segment_freed(self, path: str) -> None:  # any thread, or the GC (a tensor died)
+        rs = self.rs
+        if rs is not None:
+            rs.freed(path, int(os.path.basename(path).split("-")[2][1:]))
+
+    def shutdown(self) -> None:
+        """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
+        if self.rs is not None:
+            self.rs.shutdown()
+        self._release()
+
+    def _release(self) -> None:
+        if self.relay is not None:
+            self.relay.drain(flush_partial=True)
+            self.relay.close()
+        pool.set_release_hook(self.group_id, None)
+        segments.remove_segments(segments.leftover_segments(self.group_id))
+        self.store = None
+        self.launcher.cleanup()
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
 
 
 class LocalLauncher(Launcher):
@@ -153,6 +205,18 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
         raise
     finally:
         listener.close()
+
+
+def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:
+    """torch threads per rank: the cores shared among the ranks unless told (said once)."""
+    cores = os.cpu_count() or 1
+    if opts["threads"] is None and "OMP_NUM_THREADS" not in os.environ and \
+            "OMP_NUM_THREADS" not in (opts["env"] or {}) and opts["world_size"] > 1:
+        threads = max(1, cores // opts["world_size"])
+        say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
+                 f"({cores} cores shared by {opts['world_size']} ranks); pass threads= to change.")
+        return threads
+    return opts["threads"]
 
 
 def custom_backend_blobs(choice: BackendChoice) -> List[bytes]:

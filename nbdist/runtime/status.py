@@ -52,6 +52,7 @@ class GroupStatus:
     backend: str
     device: str
     ranks: List[RankStatus] = field(default_factory=list)
+    job: str = ""  #: the background job running, in one line ("" when none)
 
     _COLUMNS = ("rank", "pid", "host", "device", "backend", "state", "memory", "last error")
 
@@ -65,7 +66,7 @@ class GroupStatus:
         rows = [self._COLUMNS] + list(self._rows())
         widths = [max(len(row[i]) for row in rows) for i in range(len(self._COLUMNS))]
         lines = [f"group: {self.state}, world size {self.world_size}, backend {self.backend}, "
-                 f"device {self.device}"]
+                 f"device {self.device}"] + ([self.job] if self.job else [])
         for row in rows:
             lines.append("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         return "\n".join(lines)
@@ -79,12 +80,14 @@ class GroupStatus:
                        for row in self._rows())
         return (f"<div class='nbdist-status'><b>nbdist group</b>: {html.escape(self.state)}, "
                 f"world size {self.world_size}, backend <code>{html.escape(self.backend)}</code>, "
-                f"device {html.escape(self.device)}<table><thead><tr>{head}</tr></thead>"
+                f"device {html.escape(self.device)}"
+                + (f"<br>{html.escape(self.job)}" if self.job else "")
+                + f"<table><thead><tr>{head}</tr></thead>"
                 f"<tbody>{body}</tbody></table></div>")
 
 
 def collect_status(state: str, world_size: int, backend: str, device: str,
-                   ranks: List) -> GroupStatus:
+                   ranks: List, job: str = "") -> GroupStatus:
     """A :class:`GroupStatus` from a group's ranks (reads them without locks: safe from any thread;
     a row may be one step behind a call that is running)."""
     import psutil
@@ -106,7 +109,7 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
                                info.get("backend", backend), rstate,
                                r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
                                rss, r.last_error))
-    return GroupStatus(state, world_size, backend, device, rows)
+    return GroupStatus(state, world_size, backend, device, rows, job)
 
 
 def check_options(opts: Dict) -> None:

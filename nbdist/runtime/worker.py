@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
+from . import ranklog
 
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
@@ -227,7 +228,11 @@ class _Worker:
                 if self.pool is not None:
                     self.pool.release(payload)
                 continue
-            reply = self._handle(handlers[kind], payload, seq)
+            ranklog.begin(self.rank, ranklog.sender(channel, seq))
+            try:
+                reply = self._handle(handlers[kind], payload, seq)
+            finally:
+                ranklog.end()  # what the call logged goes before its reply
             _flush_output()
             channel.send_bytes(reply)
 

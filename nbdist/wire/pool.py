@@ -11,6 +11,7 @@ next request that the segment is free again. Segments are unlinked when the grou
 """
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import threading
@@ -41,9 +42,29 @@ def _released(path: str) -> None:
         hook(path)
 
 
+_claims = threading.local()
+
+
+@contextlib.contextmanager
+def claiming():
+    """Collect the pooled segments unpickled (claimed) in this thread within the block: if the
+    unpickling fails, the ones never claimed must be given back by the caller; the claimed ones
+    are given back by their tensors' finalizers."""
+    previous = getattr(_claims, "paths", None)
+    _claims.paths = claimed = []
+    try:
+        yield claimed
+    finally:
+        _claims.paths = previous
+
+
 def rebuild_pooled(path: str, nbytes: int, dtype, shape, requires_grad: bool, is_param: bool):
     """Caller side: a tensor on a pooled segment; its release is reported when it is freed."""
     import torch
+
+    claimed = getattr(_claims, "paths", None)
+    if claimed is not None:
+        claimed.append(path)
 
     fd = os.open(path, os.O_RDWR)
     try:

@@ -47,8 +47,7 @@ def _pooled(group, rank):
 
 @pytest.mark.parametrize("tensor_first", [
     pytest.param(True, id="tensor-first"),
-    pytest.param(False, id="tensor-last", marks=pytest.mark.xfail(
-        strict=True, reason="pooled segments of an unpicklable reply are not released yet")),
+    pytest.param(False, id="tensor-last"),
 ])
 def test_an_unpicklable_reply_gives_its_pooled_segments_back(group, only_on_ranks, tensor_first):
     for _ in range(CALLS):

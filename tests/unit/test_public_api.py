@@ -11,9 +11,10 @@ import nbdist
 
 API = {
     "nbdist": [
-        "BackendError", "DistTimeoutError", "Group", "GroupClosedError", "GroupInterrupted",
-        "NbdistError", "RankDiedError", "RemoteError", "attach", "available_backends",
-        "current_group", "launch", "load_ipython_extension", "register_backend",
+        "BackendError", "DistTimeoutError", "Group", "GroupBusyError", "GroupClosedError",
+        "GroupInterrupted", "Job", "Metrics", "NbdistError", "RankDiedError", "RemoteError",
+        "attach", "available_backends", "current_group", "launch", "load_ipython_extension",
+        "log", "register_backend",
         "resolve_backend", "start", "stop_all", "unload_ipython_extension", "use_group",
     ],
     "nbdist.backends": [

@@ -122,6 +122,18 @@ def _strategy_list(text: str) -> List[str]:
     return names
 
 
+JOBS: list = []  #: jobs started by ``%%dist --bg`` in this kernel, oldest first
+
+
+def job_name(text: str) -> str:
+    """``--bg NAME``: a Python identifier (the job is also stored in that variable); plain
+    ``--bg`` gives ``""``: no variable."""
+    if text and not text.isidentifier():
+        raise argparse.ArgumentTypeError(f"expected a variable name for the job, e.g. train; "
+                                         f"got {text!r}")
+    return text
+
+
 def check_ranks(ranks: Optional[Sequence[int]], world_size: int, option: str, magic) -> None:
     """``UsageError`` naming ``option`` if a rank is not in ``0..world_size-1``."""
     bad = sorted({r for r in ranks or () if r >= world_size})

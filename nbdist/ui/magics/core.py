@@ -14,8 +14,8 @@ from IPython.display import publish_display_data
 
 from ...errors import NbdistError
 from ...runtime.group import Group, current_group, start, use_group
-from .base import (NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure, _started,
-                   check_ranks, register_magics, split_statement, usage)
+from .base import (JOBS, NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure,
+                   _started, check_ranks, job_name, register_magics, split_statement, usage)
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
@@ -105,7 +105,10 @@ class DistMagics(NbdistMagics):
     @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
     @argument("--trace", action="store_true",
               help="record the collectives the cell issues; show a summary and a timeline")
-    def dist(self, line: str = "", cell: Optional[str] = None) -> None:
+    @argument("--bg", nargs="?", const="", default=None, type=job_name, metavar="NAME",
+              help="run in the background: the cell returns a job at once (stored in NAME if "
+                   "given); %%dist_jobs lists jobs, %%dist_wait NAME waits")
+    def dist(self, line: str = "", cell: Optional[str] = None):
         """Run Python code on the ranks: the cell (%%dist) or one statement (%dist statement).
 
         Each rank runs it in its own namespace, which persists across cells and starts with
@@ -121,10 +124,28 @@ class DistMagics(NbdistMagics):
                                  f"%dist print(rank)\n{usage(self.dist)}")
         else:
             args = self.parse(self.dist, line)
+        if args.bg is not None:
+            if args.trace:
+                raise UsageError(f"--trace and --bg do not go together (a trace is shown when "
+                                 f"the cell ends)\n{usage(self.dist)}")
+            return self.run_in_background(cell, args.ranks, args.timeout, args.bg or None)
         if args.trace:
             self.run_traced(cell, args.ranks, args.timeout, args.quiet)
         else:
             self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
+        return None
+
+    def run_in_background(self, source: str, ranks: Optional[Sequence[int]] = None,
+                          timeout: Optional[float] = None, name: Optional[str] = None):
+        """Start ``source`` on the ranks as a background job; return the job at once."""
+        group = self.group
+        check_ranks(ranks, group.world_size, "--ranks", self.dist)
+        job = group.submit_exec(source, ranks=ranks, timeout=timeout,
+                                name=name or f"job{len(JOBS) + 1}")
+        JOBS.append(job)
+        if name:
+            self.shell.user_ns[name] = job
+        return job
 
     def run_on_ranks(self, source: str, ranks: Optional[Sequence[int]] = None,
                      timeout: Optional[float] = None, quiet: bool = False) -> None:

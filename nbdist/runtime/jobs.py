@@ -1,0 +1,139 @@
+"""Background jobs: a call that returns at once and runs on the ranks while the notebook goes on.
+
+A :class:`Job` is a :class:`~nbdist.runtime.calls.Call` whose waiting happens on a thread of its
+own (``nbdist-job-NAME``); when the ranks answer, the job takes the group's lock and settles the
+call exactly as a blocking call would, so ``job.result()`` raises what the blocking call would have
+raised. While it runs, the group refuses other calls with :class:`~nbdist.GroupBusyError`.
+"""
+from __future__ import annotations
+
+import contextvars
+import html
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional
+
+from .calls import Call
+from .metrics import Metrics
+
+OUTPUT_LINES = 1000  #: lines of output kept per rank (the oldest are dropped beyond)
+
+
+class Job:
+    """A call running in the background on a group's ranks (from :meth:`nbdist.Group.submit`,
+    :meth:`nbdist.Group.submit_exec` or ``%%dist --bg``)."""
+
+    def __init__(self, name: str, call: Call, finish: Callable[[], List[Any]]):
+        self.name = name
+        self.call = call
+        self.metrics: Metrics = call.metrics  #: what the ranks logged so far (nbdist.log)
+        self.output: Dict[int, List[str]] = {}  #: per rank, the lines printed so far
+        self.started = time.time()
+        self.ended: Optional[float] = None
+        self._finish = finish
+        self._done = threading.Event()
+        self._results: Optional[List[Any]] = None
+        self._error: Optional[BaseException] = None
+        context = contextvars.copy_context()  # output goes to the cell that started the job
+        self._thread = threading.Thread(target=context.run, args=(self._run,),
+                                        name=f"nbdist-job-{name}", daemon=True)
+
+    def start(self) -> "Job":
+        """Start waiting for the ranks (the request was already sent)."""
+        self._thread.start()
+        return self
+
+    def _run(self) -> None:
+        try:
+            self._results = self._finish()
+        except BaseException as err:  # noqa: BLE001 -- kept, raised by result()
+            self._error = err
+        finally:
+            self.ended = time.time()
+            self._done.set()
+
+    def add_output(self, rank: int, text: str) -> None:
+        """Keep what rank ``rank`` printed (the relay calls this as lines arrive)."""
+        lines = self.output.setdefault(rank, [])
+        lines.extend(text.splitlines())
+        del lines[:-OUTPUT_LINES]
+
+    # ---- state --------------------------------------------------------------------------------
+    def done(self) -> bool:
+        """True once the job finished (results, an error, or interrupted)."""
+        return self._done.is_set()
+
+    def running(self) -> bool:
+        """True while the job runs."""
+        return not self._done.is_set()
+
+    @property
+    def state(self) -> str:
+        """``"running"``, ``"done"``, ``"failed"`` or ``"interrupted"``."""
+        if not self.done():
+            return "running"
+        if self._error is None:
+            return "done"
+        return "interrupted" if self.call.outcome == "interrupted" else "failed"
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds since the job started (until it ended, once it has)."""
+        return (self.ended or time.time()) - self.started
+
+    @property
+    def error(self) -> Optional[BaseException]:
+        """The error :meth:`result` raises, once the job has ended with one."""
+        return self._error if self.done() else None
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Wait up to ``timeout`` seconds (``None``: until it ends); True if it has ended."""
+        return self._done.wait(timeout)
+
+    def result(self, timeout: Optional[float] = None) -> List[Any]:
+        """The per-rank results, waiting for them; raises what a blocking call would have raised
+        (``RemoteError``, ``RankDiedError``, ``DistTimeoutError``, ``GroupInterrupted``), or
+        ``TimeoutError`` if the job still runs after ``timeout`` seconds (it keeps running)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"job {self.name!r} is still running after {timeout:g} s; wait "
+                               "longer, or stop it with job.interrupt()")
+        if self._error is not None:
+            raise self._error
+        return self._results
+
+    def interrupt(self) -> None:
+        """Stop the job as Ctrl-C stops a blocking call: the ranks get SIGINT; those still blocked
+        after the group's grace period (inside a collective) are killed and the group must restart.
+        Returns at once; :meth:`wait` for the end."""
+        self.call.cancel()
+
+    # ---- display ------------------------------------------------------------------------------
+    def describe(self) -> str:
+        """One line: name, state, elapsed time, the last step of each rank."""
+        steps = self.metrics.last_step()
+        where = ", ".join(f"rank {r} step {s}" for r, s in sorted(steps.items()) if s is not None)
+        return (f"job {self.name!r}: {self.state}, {self.elapsed:.1f} s"
+                + (f" ({where})" if where else ""))
+
+    def __repr__(self) -> str:
+        text = f"<nbdist.Job {self.describe()}>"
+        if len(self.metrics):
+            text += "\n" + repr(self.metrics).split("\n", 1)[-1]
+        return text
+
+    def _repr_pretty_(self, p, cycle) -> None:
+        p.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        rows = []
+        for rank, values in sorted(self.metrics.last().items()):
+            cells = ", ".join(f"{html.escape(n)} = {v:.4g}" if isinstance(v, float)
+                              else f"{html.escape(n)} = {html.escape(str(v))}"
+                              for n, (_, v) in values.items())
+            step = self.metrics.last_step().get(rank)
+            rows.append(f"<tr><td>{rank}</td><td>{'' if step is None else step}</td>"
+                        f"<td>{cells}</td></tr>")
+        table = ("<table><thead><tr><th>rank</th><th>last step</th><th>last values</th></tr>"
+                 f"</thead><tbody>{''.join(rows)}</tbody></table>") if rows else ""
+        return (f"<div class='nbdist-job'><b>nbdist job</b> {html.escape(self.name)}: "
+                f"{html.escape(self.state)}, {self.elapsed:.1f} s{table}</div>")

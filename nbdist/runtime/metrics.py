@@ -1,0 +1,118 @@
+"""The scalars ranks logged with ``nbdist.log`` (:mod:`nbdist.runtime.ranklog`), as the caller
+keeps them: a :class:`Metrics` table per call (``job.metrics`` for a background job)."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+import threading
+from typing import Any, Dict, Iterator, List, Optional, Tuple
+
+FIELDS = ("rank", "step", "name", "value", "time_s")
+"""The columns of :class:`Metrics`: rank, step (``None`` if not given), scalar name, value, and
+the rank's wall-clock time of the log call (seconds since the epoch)."""
+
+# ---- in the caller -----------------------------------------------------------------------------
+class Metrics:
+    """The scalars the ranks logged during a call: rows of :data:`FIELDS`, in arrival order.
+
+    ``len(m)``, iteration over dict rows, :meth:`last`, :meth:`series`, exports
+    (:meth:`to_pandas`, :meth:`to_csv`, :meth:`to_json`) and :meth:`plot`. Rows arrive on another
+    thread while a job runs; every method works on a consistent copy.
+    """
+
+    def __init__(self, rows: Optional[List[Tuple]] = None):
+        self._rows: List[Tuple] = list(rows or [])
+        self._lock = threading.Lock()
+
+    def add(self, batch: List[Tuple]) -> None:
+        """Append rows that arrived from a rank."""
+        with self._lock:
+            self._rows.extend(tuple(row) for row in batch)
+
+    def rows(self) -> List[Tuple]:
+        """A copy of the rows, as tuples in :data:`FIELDS` order."""
+        with self._lock:
+            return list(self._rows)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __iter__(self) -> Iterator[Dict[str, Any]]:
+        return iter([dict(zip(FIELDS, row)) for row in self.rows()])
+
+    def names(self) -> List[str]:
+        """The scalar names logged, in first-seen order."""
+        return list(dict.fromkeys(row[2] for row in self.rows()))
+
+    def last(self) -> Dict[int, Dict[str, Tuple[Optional[int], Any]]]:
+        """``{rank: {name: (step, value)}}`` of the latest row of each name on each rank."""
+        out: Dict[int, Dict[str, Tuple[Optional[int], Any]]] = {}
+        for rank, step, name, value, _ in self.rows():
+            out.setdefault(rank, {})[name] = (step, value)
+        return out
+
+    def last_step(self) -> Dict[int, Optional[int]]:
+        """The latest step each rank logged (``None`` where it logged no step)."""
+        out: Dict[int, Optional[int]] = {}
+        for rank, step, *_ in self.rows():
+            if step is not None or rank not in out:
+                out[rank] = step
+        return out
+
+    def series(self, name: str, rank: int) -> Tuple[List[Any], List[Any]]:
+        """``(steps, values)`` of scalar ``name`` on ``rank`` (steps: log order where none)."""
+        xs, ys = [], []
+        for i, (r, step, n, value, _) in enumerate(self.rows()):
+            if r == rank and n == name:
+                xs.append(step if step is not None else len(xs))
+                ys.append(value)
+        return xs, ys
+
+    def to_pandas(self):
+        """A ``pandas.DataFrame`` with the columns of :data:`FIELDS`."""
+        import pandas as pd
+
+        return pd.DataFrame(self.rows(), columns=list(FIELDS))
+
+    def to_csv(self, path: Optional[str] = None) -> Optional[str]:
+        """CSV with a header row; returns the text when ``path`` is ``None``."""
+        buf = io.StringIO()
+        writer = csv.writer(buf, lineterminator="\n")
+        writer.writerow(FIELDS)
+        writer.writerows(["" if v is None else v for v in row] for row in self.rows())
+        return _write(buf.getvalue(), path)
+
+    def to_json(self, path: Optional[str] = None) -> Optional[str]:
+        """A JSON list of row objects; returns the text when ``path`` is ``None``."""
+        return _write(json.dumps(list(self), indent=1), path)
+
+    def plot(self, names=None, ax=None):
+        """Per-rank curves of each logged scalar against step (needs matplotlib)."""
+        from ..ui.plots.metrics import plot_metrics
+
+        return plot_metrics(self, names=names, ax=ax)
+
+    def __repr__(self) -> str:
+        return self._summary()
+
+    def _summary(self) -> str:
+        last = self.last()
+        if not last:
+            return "<nbdist Metrics: nothing logged yet>"
+        lines = [f"<nbdist Metrics: {len(self)} rows, {len(last)} ranks>"]
+        for rank in sorted(last):
+            parts = [f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+                     for name, (_, value) in last[rank].items()]
+            step = self.last_step().get(rank)
+            lines.append(f"  rank {rank}" + (f" step {step}" if step is not None else "") + ": "
+                         + ", ".join(parts))
+        return "\n".join(lines)
+
+
+def _write(text: str, path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return text
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    return None

@@ -1,0 +1,87 @@
+"""What a call sends: each public call (run, exec, push, pull) checked and packed into a
+:class:`Request` before anything reaches the ranks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+
+from ..wire import serialize
+
+
+@dataclass
+class Request:
+    """One request, ready to send: ``kind`` and ``payload`` for the worker, ``what`` for people
+    (status, errors), and the shared-memory ``segments`` to remove once every rank has answered."""
+
+    kind: str
+    payload: Any
+    what: str
+    segments: List[str] = field(default_factory=list)
+
+
+def _pickle(obj: Any, what: str, prefix: str):
+    try:
+        return serialize.dumps(obj, prefix, private=True, unlink=False)
+    except Exception as err:  # noqa: BLE001 -- cloudpickle raises many types
+        raise TypeError(f"cannot send the {what} to the ranks: it (or something it refers to) "
+                        f"cannot be pickled: {type(err).__name__}: {err}. Define what it needs "
+                        "on the ranks instead (e.g. with exec), or pass picklable data.") from err
+
+
+def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
+                prefix: str) -> Request:
+    """``fn(*args, **kwargs)`` on the ranks; ``fn`` travels by value."""
+    if not callable(fn):
+        raise TypeError(f"fn must be callable, got {type(fn).__name__}")
+    name = getattr(fn, "__qualname__", type(fn).__name__)
+    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}", prefix)
+    return Request("run", payload, f"run {name}", segs)
+
+
+def exec_request(source: str, filename: str) -> Request:
+    """Python ``source`` run in the ranks' namespace (a SyntaxError shows here, no round trip)."""
+    if not isinstance(source, str):
+        raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
+    compile(source, filename, "exec")
+    return Request("exec", (source, filename), "exec")
+
+
+def push_request(values: Dict[str, Any], prefix: str) -> Request:
+    """Variables set in the ranks' namespaces (CPU tensors through shared memory)."""
+    for name in values:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"push() names must be valid identifiers, got {name!r}")
+    payload, segs = _pickle(values, "pushed value", prefix)
+    return Request("push", payload, f"push {', '.join(values)}", segs)
+
+
+def pull_request(names: Sequence[str]) -> Request:
+    """Variables read from the ranks' namespaces."""
+    if not names:
+        raise ValueError("pull() needs at least one variable name, e.g. g.pull('loss')")
+    for name in names:
+        if not isinstance(name, str) or not name.isidentifier():
+            raise ValueError(f"pull() takes variable names, got {name!r}")
+    return Request("pull", tuple(names), f"pull {', '.join(names)}")
+
+
+def targets(ranks: Optional[Iterable[int]], world_size: int) -> List[int]:
+    """The ranks a call goes to (default all), checked."""
+    if ranks is None:
+        return list(range(world_size))
+    if isinstance(ranks, int) and not isinstance(ranks, bool):
+        ranks = [ranks]
+    out = sorted(set(ranks))
+    bad = [r for r in out if isinstance(r, bool) or not isinstance(r, int)
+           or not 0 <= r < world_size]
+    if bad or not out:
+        raise ValueError(f"ranks must be ints in 0..{world_size - 1}, got {list(ranks)!r}")
+    return out
+
+
+def check_timeout(timeout: Optional[float]) -> Optional[float]:
+    """A call's deadline in seconds (``None``: none)."""
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, (int, float))
+                                or timeout <= 0):
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    return timeout

@@ -1,0 +1,92 @@
+"""``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs the magics started and
+``%dist_wait [NAME]`` waits for one (a progress bar follows the steps the ranks log)."""
+from __future__ import annotations
+
+import html
+from typing import Optional
+
+from IPython.core.error import UsageError
+from IPython.core.magic import line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.display import publish_display_data
+
+from ...runtime.jobs import Job
+from .base import JOBS, NbdistMagics, job_name, register_magics, usage  # noqa: F401
+
+def find_job(name: Optional[str]) -> Job:
+    """The job called ``name``, or the latest one; ``UsageError`` naming the known jobs if none."""
+    for job in reversed(JOBS):
+        if name is None or job.name == name:
+            return job
+    known = ", ".join(j.name for j in JOBS) or "none yet"
+    raise UsageError(f"no background job {'named ' + repr(name) if name else 'was started'} "
+                     f"(jobs: {known}); start one with %%dist --bg NAME")
+
+
+@register_magics
+@magics_class
+class JobMagics(NbdistMagics):
+    """``%dist_jobs`` and ``%dist_wait``."""
+
+    @line_magic
+    @magic_arguments()
+    def dist_jobs(self, line: str = "") -> None:
+        """List the background jobs started with %%dist --bg: state, time, last step per rank."""
+        self.parse(self.dist_jobs, line)
+        if not JOBS:
+            print("no background jobs yet: start one with %%dist --bg NAME")
+            return
+        text = "\n".join(job.describe() for job in JOBS)
+        rows = "".join(f"<tr><td>{html.escape(j.name)}</td><td>{j.state}</td>"
+                       f"<td>{j.elapsed:.1f}</td><td>{html.escape(_steps(j))}</td></tr>"
+                       for j in JOBS)
+        publish_display_data({"text/plain": text, "text/html": (
+            "<table><thead><tr><th>job</th><th>state</th><th>time (s)</th><th>last step</th>"
+            f"</tr></thead><tbody>{rows}</tbody></table>")})
+
+    @line_magic
+    @magic_arguments()
+    @argument("name", nargs="?", help="the job (default: the latest)")
+    @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
+    def dist_wait(self, line: str = ""):
+        """Wait for a background job (default: the latest), with a progress bar of the logged
+        steps; then show its per-rank values, or raise its error. Interrupting the wait leaves the
+        job running (stop it with job.interrupt())."""
+        args = self.parse(self.dist_wait, line)
+        job = find_job(args.name)
+        try:
+            _wait_with_bar(job)
+        except KeyboardInterrupt:
+            print(f"nbdist: stopped waiting; job {job.name!r} is still running "
+                  f"(job.interrupt() stops it).")
+            return None
+        values = job.result()
+        if not args.quiet:
+            show = self.shell.display_formatter.format
+            for rank, value in enumerate(values):
+                if value is not None:
+                    data, _ = show(value)
+                    publish_display_data({"text/plain": f"Out[rank {rank}]: "
+                                                        f"{data.get('text/plain', '')}"})
+        return None
+
+
+def _steps(job: Job) -> str:
+    steps = job.metrics.last_step()
+    return ", ".join(f"{r}: {s}" for r, s in sorted(steps.items()) if s is not None)
+
+
+def _wait_with_bar(job: Job) -> None:
+    if job.wait(0.3):
+        return
+    from tqdm.auto import tqdm
+
+    with tqdm(desc=f"job {job.name}", unit="step") as bar:
+        while not job.wait(0.3):
+            steps = [s for s in job.metrics.last_step().values() if s is not None]
+            if steps:
+                bar.n = min(steps) + 1  # the slowest rank's progress
+                bar.refresh()
+
+
+__all__ = ["JOBS", "JobMagics", "find_job", "job_name", "usage"]

@@ -1,0 +1,139 @@
+"""Background jobs and metrics from the ranks, on real groups (issue 17)."""
+import os
+import time
+
+import pytest
+
+import nbdist
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _train(steps, pause=0.02):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import nbdist
+
+    for i in range(steps):
+        t = torch.ones(1)
+        dist.all_reduce(t)
+        nbdist.log(step=i, loss=1.0 / (i + 1), world=t.sum())
+        time.sleep(pause)
+    return dist.get_rank()
+
+
+def _wait_until(cond, limit=30.0):
+    deadline = time.monotonic() + limit
+    while not cond() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return cond()
+
+
+def test_submit_returns_at_once_and_metrics_stream_while_it_runs(group):
+    job = group.submit(_train, 150)
+    assert job.running() and not job.done() and job.state == "running"
+    assert _wait_until(lambda: len(job.metrics) >= 8)
+    seen_while_running = len(job.metrics)
+    assert job.running(), "the job finished before its metrics were seen: make it longer"
+    assert "job '_train': running" in str(group.status())
+    assert group.job is job
+    assert job.result(timeout=60) == [0, 1]
+    assert job.state == "done" and group.job is None and group.state == "ready"
+    assert len(job.metrics) == 2 * 150 * 2 > seen_while_running
+    last = job.metrics.last()
+    assert last[0]["loss"] == (149, pytest.approx(1 / 150)) and last[1]["world"] == (149, 2.0)
+    df = job.metrics.to_pandas()
+    assert list(df.columns) == ["rank", "step", "name", "value", "time_s"]
+    assert job.metrics.to_csv().splitlines()[0] == "rank,step,name,value,time_s"
+    assert "rank 1 step 149" in repr(job) and "nbdist job" in job._repr_html_()
+
+
+def test_a_busy_group_refuses_calls_with_the_job_named(group):
+    job = group.submit(time.sleep, 3)
+    with pytest.raises(nbdist.GroupBusyError, match=r"busy with background job 'sleep' .*"
+                                                   r"job\.wait\(\) or %dist_wait.*job\.interrupt"):
+        group.run(os.getpid)
+    with pytest.raises(nbdist.GroupBusyError):
+        group.submit(os.getpid)
+    assert job.result(timeout=30) == [None, None]
+    assert len(set(group.run(os.getpid))) == 2
+
+
+def test_result_raises_what_a_blocking_call_would(group):
+    def boom():
+        raise ValueError("bad batch")
+
+    job = group.submit(boom)
+    with pytest.raises(nbdist.RemoteError, match="ValueError on ranks 0, 1: bad batch"):
+        job.result(timeout=30)
+    assert job.state == "failed" and isinstance(job.error, nbdist.RemoteError)
+    assert group.run(lambda: 1) == [1, 1]
+    job = group.submit_exec("import time\ntime.sleep(30)", timeout=0.5, name="slow")
+    with pytest.raises(nbdist.DistTimeoutError, match="still running after 0.5 s"):
+        job.result(timeout=30)
+    assert group.run(lambda: 2) == [2, 2]
+    job = group.submit_exec("import os\nif rank == 1: os._exit(5)\nimport time; time.sleep(5)")
+    with pytest.raises(nbdist.RankDiedError, match="rank 1 exited with code 5"):
+        job.result(timeout=30)
+    group.restart()
+    with pytest.raises(TimeoutError, match="still running after 0.1 s; wait longer, or stop it"):
+        group.submit(time.sleep, 2).result(timeout=0.1)
+    group.job.wait(30)
+
+
+def test_interrupt_stops_a_job_like_ctrl_c(group):
+    job = group.submit(_train, 100000, 0.01)
+    assert _wait_until(lambda: len(job.metrics) > 0)
+    job.interrupt()
+    assert job.wait(30)
+    with pytest.raises(nbdist.GroupInterrupted):
+        job.result()
+    assert job.state == "interrupted"
+    if group.state == "broken":  # a rank was blocked in the all_reduce when SIGINT came
+        group.restart()
+    assert group.run(lambda: 3) == [3, 3]
+
+
+def test_interrupt_kills_ranks_stuck_in_a_collective_and_says_so():
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30, grace=0.3)
+    try:
+        job = g.submit_exec("import time, torch\nif rank == 0:\n    time.sleep(60)\n"
+                            "dist.barrier()")
+        time.sleep(0.5)
+        job.interrupt()
+        assert job.wait(30)
+        with pytest.raises(nbdist.GroupInterrupted, match="call restart"):
+            job.result()
+        assert g.state == "broken"
+        g.restart()
+        assert g.run(lambda: 4) == [4, 4]
+    finally:
+        g.stop()
+
+
+def test_stop_interrupts_a_running_job_first():
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    job = g.submit(time.sleep, 60)
+    g.stop()
+    assert job.done() and job.state in ("interrupted", "failed")
+    assert g.state == "stopped"
+
+
+def test_job_output_is_kept_per_rank(group):
+    job = group.submit_exec("for i in range(3):\n    print(f'line {i} on {rank}')", name="out")
+    job.result(timeout=30)
+    assert job.output[0] == ["line 0 on 0", "line 1 on 0", "line 2 on 0"]
+    assert job.output[1][-1] == "line 2 on 1"
+
+
+def test_log_in_a_blocking_call_and_its_errors(group):
+    group.run(_train, 3, 0.0)
+    assert len(group.metrics) == 12
+    with pytest.raises(nbdist.RemoteError, match=r"nbdist.log\(x=\.\.\.\) takes a number or a "
+                                                 r"0-d tensor, got str"):
+        group.exec("import nbdist\nnbdist.log(x='high')")
+    with pytest.raises(RuntimeError, match="records metrics on a rank of an nbdist group"):
+        nbdist.log(step=1, loss=0.5)
