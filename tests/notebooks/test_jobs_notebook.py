@@ -1,0 +1,62 @@
+"""Background jobs in a real Jupyter kernel (nbclient): a background cell, other cells run while
+it trains, metrics grow, a busy error, an interrupt, and a kernel shut down with a job running
+leaves no process behind (issue 17)."""
+from __future__ import annotations
+
+import time
+
+import nbformat
+import psutil
+import pytest
+from nbclient import NotebookClient
+
+CELLS = {
+    "start": "%load_ext nbdist\n%dist_start -n 2\nimport nbdist, time\n"
+             "g = nbdist.current_group()\npids = [r.pid for r in g.status().ranks]\nprint(pids)",
+    "train": "%%dist --bg train\n"
+             "import time, nbdist\n"
+             "for i in range(100000):\n"
+             "    t = torch.ones(1); dist.all_reduce(t)\n"
+             "    nbdist.log(step=i, loss=1.0 / (i + 1))\n"
+             "    if i == 0: print('first step on', rank)\n"
+             "    time.sleep(0.01)",
+    "meanwhile": "x = sum(range(10))\nx",
+    "metrics_grow": "time.sleep(1.0)\nn1 = len(train.metrics)\ntime.sleep(1.0)\n"
+                    "n2 = len(train.metrics)\nprint('grow', n1 > 0, n2 > n1)",
+    "busy": "try:\n    g.run(lambda: 1)\nexcept nbdist.GroupBusyError as err:\n"
+            "    print('busy:', str(err).split(';')[0])",
+    "interrupt": "train.interrupt()\ntrain.wait(30)\nprint('state', train.state)\n"
+                 "if g.state == 'broken':\n    g.restart()\npids = [r.pid for r in g.status().ranks]\n"
+                 "print(g.run(lambda: 'back'))",
+    "again": "%%dist --bg forever\nimport time\ntime.sleep(600)",
+    "pids": "print('pids', pids)",
+}
+
+
+@pytest.mark.timeout(240)
+def test_background_job_in_a_real_kernel_and_shutdown_leaves_nothing(tmp_path):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src, metadata={"name": name})
+                for name, src in CELLS.items()]
+    client = NotebookClient(nb, timeout=120, kernel_name="python3")
+    t0 = time.monotonic()
+    client.execute()  # shuts the kernel down at the end, with 'forever' still running
+    out = {c.metadata["name"]: "".join(o.get("text", "") for o in c.outputs
+                                       if o["output_type"] == "stream") for c in nb.cells}
+    results = {c.metadata["name"]: [o for o in c.outputs if o["output_type"] == "execute_result"]
+               for c in nb.cells}
+    assert "first step on" in out["train"], out["train"]  # the job's output stays in its cell
+    assert results["train"] and "nbdist job" in results["train"][0]["data"]["text/html"]
+    assert results["meanwhile"][0]["data"]["text/plain"] == "45"
+    assert "grow True True" in out["metrics_grow"]
+    assert "busy: the group is busy with background job 'train'" in out["busy"]
+    assert "state interrupted" in out["interrupt"] and "['back', 'back']" in out["interrupt"]
+    pids = eval(out["pids"].split("pids", 1)[1].strip())  # noqa: S307 -- our own output
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if psutil.pid_exists(p)
+                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        time.sleep(0.2)
+    assert alive == [], f"workers left after the kernel shut down: {alive}"
+    assert time.monotonic() - t0 < 200
