@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Union
 
+from ..runtime.ranklog import log
 from .guards import _SPAWNING, _dist, _installed_namespace, _spawn_message, install_hooks
 
 _WEIGHTS = ("rank0", "all", "none")
@@ -39,8 +40,8 @@ class FitResult:
 
 def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
         strategy: Union[str, Any] = "ddp", process_group_backend: Optional[str] = None, *,
-        weights: str = "rank0", timeout: Optional[float] = None,
-        **trainer_kwargs) -> List[FitResult]:
+        weights: str = "rank0", timeout: Optional[float] = None, block: bool = True,
+        **trainer_kwargs):
     """Train with a Lightning ``Trainer`` on every rank of ``group``; return a :class:`FitResult`
     per rank (metrics, checkpoint path, and the trained weights for ``FitResult.load_into``).
 
@@ -58,6 +59,8 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
             process group with it, then go back to the group's backend (per-rank variables stay).
         weights: which ranks return the full trained weights: ``"rank0"``, ``"all"`` or ``"none"``.
         timeout: deadline for the whole fit, in seconds (default: the group's ``call_timeout``).
+        block: ``False`` returns an :class:`nbdist.Job` at once (``job.result()`` gives the
+            results); what the module logs with ``self.log`` reaches ``job.metrics`` as it trains.
         **trainer_kwargs: passed to ``Trainer``. Defaults: ``accelerator`` from the group's
             device, ``devices=group.world_size``; ranks other than 0 show no progress bar or
             model summary.
@@ -102,6 +105,9 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
               file=sys.stderr)
     spec = {"strategy": strategy, "backend": target, "home": group.backend, "custom": custom,
             "device": group.device, "timeout": group.timeout, "weights": weights}
+    if not block:
+        return group.submit(_fit_on_rank, make_module, make_data, spec, trainer_kwargs,
+                            timeout=timeout)
     return group.call(_fit_on_rank, (make_module, make_data, spec, trainer_kwargs),
                       timeout=timeout)
 
@@ -139,6 +145,27 @@ def _build_strategy(pl, strategy, backend: str, world_size: int):
     return strategy
 
 
+def forwarder(pl):
+    """A Lightning callback that sends the scalars the module logs (``self.log``) to the kernel
+    with ``nbdist.log``, at the global step, after every training batch and validation epoch."""
+    class NbdistMetrics(pl.Callback):
+        """Forwards ``trainer.callback_metrics`` to ``nbdist.log``."""
+
+        def _forward(self, trainer) -> None:
+            scalars = {k: float(v) for k, v in trainer.callback_metrics.items()
+                       if getattr(v, "numel", lambda: 1)() == 1}
+            if scalars:
+                log(step=trainer.global_step, **scalars)
+
+        def on_train_batch_end(self, trainer, *args, **kwargs) -> None:
+            self._forward(trainer)
+
+        def on_validation_epoch_end(self, trainer, *args, **kwargs) -> None:
+            self._forward(trainer)
+
+    return NbdistMetrics()
+
+
 def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
     dist = _dist()
     install_hooks()
@@ -157,6 +184,7 @@ def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
         kwargs.setdefault("devices", world)
         if rank != 0:
             kwargs.update(enable_progress_bar=False, enable_model_summary=False)
+        kwargs["callbacks"] = list(kwargs.get("callbacks") or []) + [forwarder(pl)]
         trainer = pl.Trainer(strategy=_build_strategy(pl, spec["strategy"], spec["backend"], world),
                              **kwargs)
         if isinstance(data, pl.LightningDataModule):

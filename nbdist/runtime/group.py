@@ -240,10 +240,11 @@ class Group:
         return [v[0] if len(names) == 1 else v for v in values]
 
     def submit(self, fn: Callable, *args, ranks: Optional[Iterable[int]] = None,
-               **kwargs) -> Job:
+               timeout: Optional[float] = None, **kwargs) -> Job:
         """Start ``fn(*args, **kwargs)`` on the ranks in the background; return a :class:`Job`
-        at once. Other calls on the group raise :class:`GroupBusyError` until the job ends."""
-        return self._submit(requests.run_request(fn, args, kwargs, self._prefix), ranks, None,
+        at once. Other calls on the group raise :class:`GroupBusyError` until the job ends.
+        ``ranks`` and ``timeout`` are this method's own (as in :meth:`call`)."""
+        return self._submit(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout,
                             getattr(fn, "__name__", "job"))
 
     def submit_exec(self, source: str, ranks: Optional[Iterable[int]] = None,

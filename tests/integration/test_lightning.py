@@ -251,3 +251,16 @@ def test_fit_argument_errors(g, nb):
     assert issubclass(nl.NbdistEnvironment, ClusterEnvironment)
     with pytest.raises(AttributeError, match="has no attribute 'Nope'"):
         nl.Nope
+
+
+@pytest.mark.timeout(90)
+def test_fit_in_the_background_streams_what_the_module_logs(g, nb, tmp_path):
+    job = nl.fit(g, nb["Toy"], nb["make_data"], "ddp", block=False, max_epochs=3, logger=False,
+                 default_root_dir=str(tmp_path), enable_progress_bar=False)
+    assert isinstance(job, nbdist.Job)
+    results = job.result(timeout=80)
+    assert [r.global_step for r in results] == [12, 12]
+    losses = [row for row in job.metrics if row["name"] == "loss"]
+    assert {row["rank"] for row in losses} == {0, 1}
+    assert max(row["step"] for row in losses) == 12  # one row per training batch, at its step
+    assert job.metrics.last()[0]["loss"][1] == pytest.approx(results[0].metrics["loss"])
