@@ -1,22 +1,26 @@
 """Scalars logged on a rank: ``nbdist.log(step=s, loss=loss)`` during any call on a group.
 
-Each call appends one row per scalar to a buffer -- a tuple and a clock read, about a microsecond
--- and the buffer goes to the caller over the control channel when it is older than
-:data:`FLUSH_S`, and always before the call's reply. The caller keeps the rows in the call's
+Each call appends one row per scalar to a buffer -- a tuple and a clock read, about a microsecond;
+a flusher thread sends what is there to the caller over the control channel every :data:`FLUSH_S`
+seconds, and the worker sends the rest before the call's reply, so a logged value reaches the
+caller within about :data:`FLUSH_S` however rarely the code logs. The caller keeps the rows in the call's
 :class:`~nbdist.runtime.metrics.Metrics`. Imported by the worker: no plotting, nothing above.
 """
 from __future__ import annotations
 
+import collections
 import numbers
+import threading
 import time
 from typing import Any, Callable, List, Optional, Tuple
 
 FLUSH_S = 0.2  #: a rank sends what it logged at least this often while a call runs
 
-_buffer: List[Tuple] = []
+_buffer: "collections.deque[Tuple]" = collections.deque()  # appends and pops are thread-safe
+_lock = threading.Lock()  # one batch at a time; end() and the flusher never interleave
 _sender: Optional[Callable[[List[Tuple]], None]] = None
 _rank: int = -1
-_last_flush = 0.0
+_flusher: Optional[threading.Thread] = None
 
 
 def log(step: Optional[int] = None, **scalars: Any) -> None:
@@ -37,23 +41,43 @@ def log(step: Optional[int] = None, **scalars: Any) -> None:
                                 f"{type(value).__name__}")
             value = item()
         _buffer.append((_rank, step, name, value, now))
-    if now - _last_flush >= FLUSH_S:
-        flush()
 
 
 def flush() -> None:
-    """Send what was logged so far (the worker calls it before every reply)."""
-    global _buffer, _last_flush
-    _last_flush = time.time()
-    if _buffer and _sender is not None:
-        batch, _buffer = _buffer, []
+    """Send what was logged so far (the flusher thread and the worker call it)."""
+    with _lock:
+        if _sender is None or not _buffer:
+            return
+        batch = [_buffer.popleft() for _ in range(len(_buffer))]
         _sender(batch)
 
 
 def begin(rank: int, sender: Callable[[List[Tuple]], None]) -> None:
     """The worker starts a call: logged rows go to ``sender`` (one batch at a time)."""
-    global _sender, _rank, _last_flush, _buffer
-    _sender, _rank, _last_flush, _buffer = sender, rank, time.time(), []
+    global _sender, _rank, _flusher
+    with _lock:
+        _sender, _rank = sender, rank
+        _buffer.clear()
+    if _flusher is None:
+        _flusher = threading.Thread(target=_flush_forever, name="nbdist-log", daemon=True)
+        _flusher.start()
+
+
+def end() -> None:
+    """The call is over: send the rest; further ``log`` calls are refused until the next call."""
+    global _sender
+    flush()
+    with _lock:
+        _sender = None
+
+
+def _flush_forever() -> None:
+    while True:
+        time.sleep(FLUSH_S)
+        try:
+            flush()
+        except OSError:  # the controller is gone: the worker exits on its own
+            return
 
 
 def sender(channel, seq: int) -> Callable[[List[Tuple]], None]:
@@ -71,10 +95,3 @@ def sender(channel, seq: int) -> Callable[[List[Tuple]], None]:
             if old is not None:
                 signal.pthread_sigmask(signal.SIG_SETMASK, old)
     return send
-
-
-def end() -> None:
-    """The call is over: send the rest; further ``log`` calls are refused until the next call."""
-    global _sender
-    flush()
-    _sender = None

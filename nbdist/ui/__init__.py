@@ -4,14 +4,15 @@ The only part of nbdist that imports IPython, ipywidgets or matplotlib. It may i
 below it; nothing imports it back, except a record's ``.plot()`` loading :mod:`nbdist.ui.plots`
 when called (the plots take everything they draw from their arguments).
 
-``nbdist.ui.launcher()``, ``bench_panel(group)`` and ``memory_panel(group)`` import ipywidgets only
-when first used; the plots live in :mod:`nbdist.ui.plots`.
+``nbdist.ui.launcher()``, ``bench_panel(group)``, ``memory_panel(group)`` and ``watch(job)`` (the
+live view of a background job) import ipywidgets only when first used; the plots live in
+:mod:`nbdist.ui.plots`.
 """
 
 _PANELS = ("launcher", "bench_panel", "memory_panel", "Launcher", "BenchPanel", "MemoryPanel")
-_PACKAGES = ("magics", "plots", "widgets")
+_PACKAGES = ("live", "magics", "plots", "widgets")
 
-__all__ = sorted(_PANELS)
+__all__ = sorted(_PANELS + ("Watch", "watch"))
 
 
 def __dir__():
@@ -24,4 +25,8 @@ def __getattr__(name):
         from . import widgets
 
         return getattr(widgets, name)
+    if name in ("watch", "Watch"):
+        from . import live
+
+        return getattr(live, name)
     raise AttributeError(f"module 'nbdist.ui' has no attribute {name!r}")

@@ -60,3 +60,34 @@ def test_background_job_in_a_real_kernel_and_shutdown_leaves_nothing(tmp_path):
         time.sleep(0.2)
     assert alive == [], f"workers left after the kernel shut down: {alive}"
     assert time.monotonic() - t0 < 200
+
+
+WATCH_CELLS = {
+    "start": "%load_ext nbdist\n%dist_start -n 2",
+    "train": "%%dist --bg train\n"
+             "import time, nbdist\n"
+             "for i in range(60):\n"
+             "    nbdist.log(step=i, loss=1.0 / (i + 1), lr=0.1)\n"
+             "    time.sleep(0.05)",
+    "watch": "%dist_watch train",
+    "meanwhile": "1 + 1",
+    "end": "train.wait(60)\nimport time, nbdist\ntime.sleep(1.5)  # the view's last redraw\n"
+           "w = nbdist.ui.watch(train)\nw.join(10)\nprint('redraws', w.redraws, train.state)\n"
+           "%dist_stop",
+}
+
+
+@pytest.mark.timeout(180)
+def test_the_live_view_updates_in_place_and_leaves_the_final_figure():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src, metadata={"name": name})
+                for name, src in WATCH_CELLS.items()]
+    NotebookClient(nb, timeout=120, kernel_name="python3").execute()
+    cells = {c.metadata["name"]: c for c in nb.cells}
+    kinds = [set(o.get("data", {})) for o in cells["watch"].outputs]
+    assert any("application/vnd.jupyter.widget-view+json" in k for k in kinds), kinds
+    figures = [o for o in cells["watch"].outputs if "image/png" in o.get("data", {})]
+    assert len(figures) == 1, kinds  # one output, updated in place through its display id
+    assert "done" in figures[0]["data"]["text/plain"]  # the final state stays
+    assert cells["meanwhile"].outputs[0]["data"]["text/plain"] == "2"
+    assert "redraws 1 done" in "".join(o.get("text", "") for o in cells["end"].outputs)

@@ -38,8 +38,8 @@ API = {
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
     "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare"],
-    "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "bench_panel", "launcher",
-                  "memory_panel"],
+    "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
+                  "memory_panel", "watch"],
 }
 CONSTANTS = {"ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
              "PRECISIONS"}

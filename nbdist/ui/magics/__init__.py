@@ -7,7 +7,8 @@
 ``%autodist``          every cell runs on the ranks until ``%autodist`` again
 ``%dist_push a b``     copy kernel variables to the ranks; ``%dist_pull x [--rank R]`` back
 ``%dist_status``       per-rank table; ``%dist_restart``, ``%dist_stop``
-``%%dist --bg NAME``   run the cell in the background; ``%dist_jobs``, ``%dist_wait NAME``
+``%%dist --bg NAME``   run the cell in the background; ``%dist_jobs``, ``%dist_wait NAME``,
+                       ``%dist_watch NAME`` (the live view)
 =====================  =================================================================
 
 Each magic prints its help with ``%dist_start?``; wrong arguments raise ``UsageError``.

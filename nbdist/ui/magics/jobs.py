@@ -1,5 +1,6 @@
-"""``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs the magics started and
-``%dist_wait [NAME]`` waits for one (a progress bar follows the steps the ranks log)."""
+"""``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs the magics started,
+``%dist_wait [NAME]`` waits for one (a progress bar follows the steps the ranks log) and
+``%dist_watch [NAME]`` shows its live view."""
 from __future__ import annotations
 
 import html
@@ -26,7 +27,7 @@ def find_job(name: Optional[str]) -> Job:
 @register_magics
 @magics_class
 class JobMagics(NbdistMagics):
-    """``%dist_jobs`` and ``%dist_wait``."""
+    """``%dist_jobs``, ``%dist_wait`` and ``%dist_watch``."""
 
     @line_magic
     @magic_arguments()
@@ -69,6 +70,19 @@ class JobMagics(NbdistMagics):
                     publish_display_data({"text/plain": f"Out[rank {rank}]: "
                                                         f"{data.get('text/plain', '')}"})
         return None
+
+
+    @line_magic
+    @magic_arguments()
+    @argument("name", nargs="?", help="the job (default: the latest)")
+    def dist_watch(self, line: str = ""):
+        """A live view of a background job (default: the latest): status, Interrupt button, and
+        per-rank curves of what the ranks log, redrawn in place while the notebook stays usable;
+        the final figure stays when the job ends."""
+        from ..live import watch
+
+        args = self.parse(self.dist_watch, line)
+        watch(find_job(args.name))
 
 
 def _steps(job: Job) -> str:

@@ -16,8 +16,8 @@ MAX_POINTS = 2000  #: points drawn per rank and scalar; more are thinned evenly
 def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> List:
     """Per-rank curves of each logged scalar against step; returns the list of Axes.
 
-    ``names``: the scalars to draw (default: all, in first-logged order). With ``ax`` given, every
-    scalar is drawn on that one Axes.
+    ``names``: the scalars to draw (default: all, in first-logged order). ``ax``: one Axes (every
+    scalar drawn on it) or a list of Axes, one per scalar.
     """
     names = list(names) if names is not None else metrics.names()
     if not names:
@@ -26,6 +26,11 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> Lis
     if ax is None:
         _, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
         axes = list(axes[0])
+    elif isinstance(ax, (list, tuple)):
+        if len(ax) != len(names):
+            raise ValueError(f"plot_metrics() got {len(ax)} Axes for {len(names)} scalars "
+                             f"({', '.join(names)}): give one Axes per scalar, or a single one")
+        axes = list(ax)
     else:
         axes = [ax] * len(names)
     ranks = sorted({row["rank"] for row in metrics})
@@ -37,8 +42,9 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> Lis
                 continue
             step = max(1, len(xs) // MAX_POINTS)
             thinned = thinned or step > 1
-            axis.plot(xs[::step], ys[::step], label=f"rank {rank}" if len(names) == 1 or
-                      axis is not axes[0] or ax is None else f"{name}, rank {rank}")
+            shared = len(names) > 1 and all(a is axes[0] for a in axes)
+            axis.plot(xs[::step], ys[::step],
+                      label=f"{name}, rank {rank}" if shared else f"rank {rank}")
         axis.set_xlabel("step")
         axis.set_ylabel(name)
         axis.set_title(name + (" (thinned)" if thinned else ""))

@@ -1,0 +1,107 @@
+"""The live view of a background job: ``nbdist.ui.watch(job)`` / ``%dist_watch [NAME]``.
+
+It shows, under the cell that asked for it, a status line and an Interrupt button (ipywidgets) and
+a figure of every scalar the ranks log (one panel per scalar, a line per rank), redrawn in place at
+most every ``every`` seconds while the job runs -- from a thread of its own, so the notebook stays
+usable. The figure is a plain PNG output updated through its display id: when the job ends, the
+last one stays in the notebook as a static image, and a saved notebook shows the final state.
+Beyond :data:`nbdist.ui.plots.metrics.MAX_POINTS` points per rank and scalar the curves are thinned
+(the panel's title says so), so drawing stays quick whatever the length of the run.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import threading
+from typing import Optional
+
+MIN_EVERY = 0.5  #: the view never redraws more often than this (seconds)
+
+
+class Watch:
+    """A live view of one job; :func:`watch` makes and shows it."""
+
+    def __init__(self, job, every: float = MIN_EVERY):
+        import ipywidgets as widgets
+
+        if every < MIN_EVERY:
+            raise ValueError(f"every must be at least {MIN_EVERY} s (the view redraws at most "
+                             f"twice a second), got {every!r}")
+        self.job, self.every = job, float(every)
+        self.status = widgets.HTML(self._status_html())
+        self.button = widgets.Button(description="Interrupt", button_style="warning",
+                                     tooltip="stop the job as Ctrl-C would")
+        self.button.on_click(lambda _: self.job.interrupt())
+        self.controls = widgets.HBox([self.button, self.status])
+        self.redraws = 0
+        self._drawn = (-1, None)
+        self._handle = None
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def show(self) -> "Watch":
+        """Display the controls and the figure, then keep them current until the job ends."""
+        from IPython.display import display
+
+        display(self.controls)
+        self._handle = display(self._figure_bundle(), raw=True, display_id=True)
+        # Not in this cell's context: an update names its display id, and frontends (and nbclient)
+        # apply it wherever that output is, whichever cell runs when it is sent.
+        self._thread = threading.Thread(target=self._loop, name=f"nbdist-watch-{self.job.name}",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop redrawing (the job goes on)."""
+        self._stop.set()
+
+    def join(self, timeout: Optional[float] = None) -> None:
+        """Wait for the view's last redraw (after the job ended)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            ended = self.job.wait(self.every)
+            self.refresh()
+            if ended:
+                break
+        self.button.disabled = True
+
+    def refresh(self) -> None:
+        """Redraw now if anything changed since the last redraw."""
+        self.status.value = self._status_html()
+        state = (len(self.job.metrics), self.job.state)
+        if state != self._drawn and self._handle is not None:
+            self._drawn = state
+            self._handle.update(self._figure_bundle(), raw=True)
+            self.redraws += 1
+
+    def _status_html(self) -> str:
+        return f"<span class='nbdist-watch-status'>{html.escape(self.job.describe())}</span>"
+
+    def _figure_bundle(self) -> dict:
+        text = repr(self.job)
+        if not len(self.job.metrics):
+            return {"text/plain": text + "\n(nothing logged yet: nbdist.log on the ranks)"}
+        from matplotlib.figure import Figure  # not pyplot: nothing for an inline backend to grab
+
+        from .plots.metrics import plot_metrics
+
+        names = self.job.metrics.names()
+        fig = Figure(figsize=(4.2 * len(names), 3.2))
+        plot_metrics(self.job.metrics, names, ax=list(fig.subplots(1, len(names), squeeze=False)[0]))
+        fig.suptitle(self.job.describe(), fontsize="small")
+        buf = io.BytesIO()
+        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+
+        return {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"), "text/plain": text}
+
+
+def watch(job, every: float = MIN_EVERY) -> Watch:
+    """Show a live view of ``job`` (from ``g.submit`` or ``%%dist --bg``) under this cell: status,
+    Interrupt button, and per-rank curves of what the ranks log, redrawn at most every ``every``
+    seconds while it runs; the final figure stays when it ends."""
+    return Watch(job, every).show()

@@ -1,0 +1,66 @@
+"""The Metrics table, its plot and the live view's checks, on rows made here (no ranks needed)."""
+import json
+
+import pytest
+
+from nbdist.runtime.metrics import FIELDS, Metrics
+
+
+def _metrics(n=5):
+    m = Metrics()
+    m.add([(r, i, "loss", 1.0 / (i + 1), 100.0 + i) for r in (0, 1) for i in range(n)])
+    m.add([(0, n - 1, "lr", 0.1, 200.0), (1, None, "note", 3, 201.0)])
+    return m
+
+
+def test_rows_last_series_and_exports():
+    m = _metrics()
+    assert len(m) == 12 and m.names() == ["loss", "lr", "note"]
+    assert m.last()[0] == {"loss": (4, 0.2), "lr": (4, 0.1)}
+    assert m.last_step() == {0: 4, 1: 4}
+    assert m.series("loss", 1) == ([0, 1, 2, 3, 4], [1.0, 0.5, 1 / 3, 0.25, 0.2])
+    assert m.series("note", 1) == ([0], [3])  # no step: log order
+    csv_text = m.to_csv()
+    assert csv_text.splitlines()[0] == ",".join(FIELDS)
+    assert csv_text.splitlines()[-1] == "1,,note,3,201.0"
+    rows = json.loads(m.to_json())
+    assert rows[0] == {"rank": 0, "step": 0, "name": "loss", "value": 1.0, "time_s": 100.0}
+    assert list(m.to_pandas().columns) == list(FIELDS)
+    assert "rank 0 step 4: loss=0.2, lr=0.1" in repr(m)
+    assert repr(Metrics()) == "<nbdist Metrics: nothing logged yet>"
+
+
+def test_plot_metrics_panels_thinning_and_errors():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from nbdist.ui.plots import metrics as plots
+
+    axes = _metrics().plot()
+    assert [a.get_ylabel() for a in axes] == ["loss", "lr", "note"]
+    assert [line.get_label() for line in axes[0].get_lines()] == ["rank 0", "rank 1"]
+    big = Metrics()
+    big.add([(0, i, "loss", float(i), 0.0) for i in range(plots.MAX_POINTS * 3)])
+    (ax,) = big.plot()
+    assert ax.get_title() == "loss (thinned)" and len(ax.get_lines()[0].get_xdata()) == 2000
+    shared = Figure().subplots()
+    _metrics().plot(names=["loss", "lr"], ax=shared)
+    assert "loss, rank 0" in [line.get_label() for line in shared.get_lines()]
+    with pytest.raises(ValueError, match="got 1 Axes for 2 scalars .loss, lr.: give one Axes "
+                                         "per scalar, or a single one"):
+        plots.plot_metrics(_metrics(), ["loss", "lr"], ax=[shared])
+    with pytest.raises(ValueError, match="found nothing to draw: log scalars on the ranks"):
+        Metrics().plot()
+    matplotlib.pyplot.close("all")
+
+
+def test_the_live_view_refuses_to_redraw_too_often():
+    pytest.importorskip("ipywidgets")
+    from nbdist.ui.live import Watch
+
+    with pytest.raises(ValueError, match="every must be at least 0.5 s .the view redraws at most "
+                                         "twice a second., got 0.1"):
+        Watch(object(), every=0.1)
