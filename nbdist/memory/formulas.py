@@ -123,7 +123,11 @@ def model_spec(spec: str):
     """``"mlp:4x2236"`` -> a picklable model function; a count (``"7.5B"``) -> that int."""
     m = re.fullmatch(r"mlp:(\d+)x(\d+)", spec.strip())
     if m:
-        return functools.partial(mlp, int(m.group(1)), int(m.group(2)))
+        layers, width = int(m.group(1)), int(m.group(2))
+        if layers < 1 or width < 1:
+            raise ValueError(f"--model mlp:LAYERSxWIDTH needs at least one layer of width 1 or "
+                             f"more (e.g. mlp:4x2236), got {spec!r}")
+        return functools.partial(mlp, layers, width)
     try:
         return parse_count(spec)
     except ValueError:

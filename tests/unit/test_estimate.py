@@ -115,6 +115,9 @@ def test_model_specs():
     assert memory.model_spec("7.5B") == 7_500_000_000
     with pytest.raises(ValueError, match=r"--model takes mlp:LAYERSxWIDTH .* got 'cnn:3'"):
         memory.model_spec("cnn:3")
+    with pytest.raises(ValueError, match=r"needs at least one layer of width 1 or more .e\.g\. "
+                                         r"mlp:4x2236., got 'mlp:0x4'"):
+        memory.model_spec("mlp:0x4")
 
 
 def test_cli_estimate_only_prints_the_papers_table(capsys):
