@@ -96,3 +96,15 @@ def test_lightning(tmp_path):
     assert "('nbstore', 'fsdp2')" in text and "(0, 'nbstore'" in text
     assert "NbdistEnvironment" in text
     assert "ddp_spawn" in text
+
+
+def test_watch_live(tmp_path):
+    nb, out = run_notebook("08_watch_live.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "<nbdist.Job job 'job'" in out[2]  # the cell returned at once, with the job
+    kinds = [set(o.get("data", {})) for o in code[3].outputs]
+    assert any("image/png" in k for k in kinds) and any(
+        "application/vnd.jupyter.widget-view+json" in k for k in kinds)
+    assert "the kernel is free: 45" in out[4] and "busy: the group is busy" in out[4]
+    assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
+    assert "slowest data: rank 1" in out[7]
