@@ -43,6 +43,7 @@ __all__ = sorted([
     "register_backend",
     "resolve_backend",
     "start",
+    "step",
     "stop_all",
     "unload_ipython_extension",
     "use_group",
@@ -65,6 +66,10 @@ MOVED = {
 
 
 def __getattr__(name):
+    if name == "step":  # nbdist.step(): the step breakdown, from nbdist.bench (loaded on use)
+        from .bench.steps import step
+
+        return step
     if name in SUBPACKAGES:
         return _importlib.import_module(f"{__name__}.{name}")
     if f"{__name__}.{name}" in MOVED:

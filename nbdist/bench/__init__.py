@@ -20,6 +20,7 @@ IPython; plots are drawn by :mod:`nbdist.ui.plots.collectives` when asked for.
 from .command import cli
 from .records import FIELDS, Records, Table
 from .sweep import DEFAULT_SIZES, collectives, compare, memcpy_bandwidth, summarize
+from .steps import step
 from .trace import Summary, Trace, trace
 from .units import (OPS, bandwidths, bus_factor, format_bytes, format_rate, format_time,
                     parse_ops, parse_size, parse_sizes)
@@ -44,6 +45,7 @@ __all__ = sorted([
     "parse_ops",
     "parse_size",
     "parse_sizes",
+    "step",
     "summarize",
     "trace",
 ])

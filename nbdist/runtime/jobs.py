@@ -112,8 +112,11 @@ class Job:
         """One line: name, state, elapsed time, the last step of each rank."""
         steps = self.metrics.last_step()
         where = ", ".join(f"rank {r} step {s}" for r, s in sorted(steps.items()) if s is not None)
+        slow = self.metrics.stragglers()
+        note = "; ".join(f"straggler: rank {r} (compute {x:.2f}x the median)"
+                         for r, x in slow.items())
         return (f"job {self.name!r}: {self.state}, {self.elapsed:.1f} s"
-                + (f" ({where})" if where else ""))
+                + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
 
     def __repr__(self) -> str:
         text = f"<nbdist.Job {self.describe()}>"

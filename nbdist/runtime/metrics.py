@@ -69,6 +69,21 @@ class Metrics:
                 ys.append(value)
         return xs, ys
 
+    def stragglers(self, window: int = 20, factor: float = 1.25) -> Dict[int, float]:
+        """Ranks whose median ``compute_s`` over their last ``window`` steps is at least
+        ``factor`` times the median over the ranks: ``{rank: ratio}`` (from ``nbdist.step``)."""
+        per_rank: Dict[int, List[float]] = {}
+        for rank, _, name, value, _ in self.rows():
+            if name == "compute_s":
+                per_rank.setdefault(rank, []).append(value)
+        if len(per_rank) < 2:
+            return {}
+        recent = {r: _median(v[-window:]) for r, v in per_rank.items()}
+        middle = _median(list(recent.values()))
+        if middle <= 0:
+            return {}
+        return {r: m / middle for r, m in sorted(recent.items()) if m >= factor * middle}
+
     def to_pandas(self):
         """A ``pandas.DataFrame`` with the columns of :data:`FIELDS`."""
         import pandas as pd
@@ -108,6 +123,12 @@ class Metrics:
             lines.append(f"  rank {rank}" + (f" step {step}" if step is not None else "") + ": "
                          + ", ".join(parts))
         return "\n".join(lines)
+
+
+def _median(values: List[float]) -> float:
+    s = sorted(values)
+    mid = len(s) // 2
+    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def _write(text: str, path: Optional[str]) -> Optional[str]:

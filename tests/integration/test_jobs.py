@@ -137,3 +137,34 @@ def test_log_in_a_blocking_call_and_its_errors(group):
         group.exec("import nbdist\nnbdist.log(x='high')")
     with pytest.raises(RuntimeError, match="records metrics on a rank of an nbdist group"):
         nbdist.log(step=1, loss=0.5)
+
+
+def _steps_with_a_slow_rank(steps):
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import nbdist
+
+    t = torch.ones(1 << 16)
+    for i in range(steps):
+        with nbdist.step(i):
+            time.sleep(0.03 if dist.get_rank() == 1 else 0.01)  # rank 1 computes 3x longer
+            dist.all_reduce(t)
+
+
+def test_step_breakdown_and_the_straggler_is_named(group):
+    job = group.submit(_steps_with_a_slow_rank, 12)
+    job.result(timeout=60)
+    rows = list(job.metrics)
+    assert {r["name"] for r in rows} == {"step_s", "comm_s", "compute_s"}
+    last = job.metrics.last()
+    for rank in (0, 1):
+        step_s, comm_s, compute_s = (last[rank][k][1] for k in ("step_s", "comm_s", "compute_s"))
+        assert comm_s > 0 and compute_s > 0 and abs(step_s - comm_s - compute_s) < 1e-9
+    # rank 0 waits in the all_reduce for rank 1: its communication time holds that wait
+    assert last[1]["compute_s"][1] >= 0.03
+    slow = job.metrics.stragglers()
+    assert list(slow) == [1] and slow[1] >= 1.25
+    assert "straggler: rank 1 (compute" in job.describe()

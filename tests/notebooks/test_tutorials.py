@@ -107,4 +107,4 @@ def test_watch_live(tmp_path):
         "application/vnd.jupyter.widget-view+json" in k for k in kinds)
     assert "the kernel is free: 45" in out[4] and "busy: the group is busy" in out[4]
     assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
-    assert "slowest data: rank 1" in out[7]
+    assert "slowest data: rank 1" in out[7] and "straggler: rank 1 (compute" in out[7]

@@ -64,3 +64,20 @@ def test_the_live_view_refuses_to_redraw_too_often():
     with pytest.raises(ValueError, match="every must be at least 0.5 s .the view redraws at most "
                                          "twice a second., got 0.1"):
         Watch(object(), every=0.1)
+
+
+def test_merged_length_counts_overlaps_once_and_clips():
+    from nbdist.bench.steps import merged_length
+
+    assert merged_length([(1, 3), (2, 4), (6, 7)], 0, 10) == 4
+    assert merged_length([(1, 3), (2, 4)], 2.5, 3.5) == 1.0
+    assert merged_length([], 0, 1) == 0.0
+
+
+def test_stragglers_from_compute_times():
+    m = Metrics()
+    m.add([(r, i, "compute_s", 0.01 * (3 if r == 2 else 1), 0.0) for r in range(4)
+           for i in range(30)])
+    assert m.stragglers() == {2: 3.0}
+    assert m.stragglers(factor=4.0) == {}
+    assert Metrics().stragglers() == {}

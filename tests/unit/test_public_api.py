@@ -15,7 +15,7 @@ API = {
         "GroupInterrupted", "Job", "Metrics", "NbdistError", "RankDiedError", "RemoteError",
         "attach", "available_backends", "current_group", "launch", "load_ipython_extension",
         "log", "register_backend",
-        "resolve_backend", "start", "stop_all", "unload_ipython_extension", "use_group",
+        "resolve_backend", "start", "step", "stop_all", "unload_ipython_extension", "use_group",
     ],
     "nbdist.backends": [
         "ENV_VAR", "BackendChoice", "CustomBackend", "available_backends", "backend_report",
@@ -25,8 +25,8 @@ API = {
     "nbdist.bench": [
         "DEFAULT_SIZES", "FIELDS", "OPS", "Records", "Summary", "Table", "Trace", "bandwidths",
         "bus_factor", "cli", "collectives", "compare", "format_bytes", "format_rate",
-        "format_time", "memcpy_bandwidth", "parse_ops", "parse_size", "parse_sizes", "summarize",
-        "trace",
+        "format_time", "memcpy_bandwidth", "parse_ops", "parse_size", "parse_sizes", "step",
+        "summarize", "trace",
     ],
     "nbdist.memory": [
         "OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "cli",
