@@ -18,12 +18,20 @@ from nbdist.wire import transport
 pytestmark = pytest.mark.timeout(180)
 
 
+def _running(pid):
+    """True while ``pid`` is a live process (not gone, not a zombie); a process that exits while
+    we look at it is gone."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def _wait_gone(pids, seconds):
     deadline = time.monotonic() + seconds
     alive = list(pids)
     while alive and time.monotonic() < deadline:
-        alive = [p for p in alive if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in alive if _running(p)]
         time.sleep(0.05)
     return alive
 

@@ -10,6 +10,13 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
+def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited while we looked
+        return False
+
+
 CELLS = {
     "start": "%load_ext nbdist\n%dist_start -n 2\nimport nbdist, time\n"
              "g = nbdist.current_group()\npids = [r.pid for r in g.status().ranks]\nprint(pids)",
@@ -57,14 +64,20 @@ def test_background_job_in_a_real_kernel_and_shutdown_leaves_nothing(tmp_path):
     deadline = time.monotonic() + 15
     alive = pids
     while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if psutil.pid_exists(p)
-                 and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+        alive = [p for p in pids if _running(p)]
         time.sleep(0.2)
     assert alive == [], f"workers left after the kernel shut down: {alive}"
     assert time.monotonic() - t0 < 200
 
 
-WATCH_CELLS = {
+WATCH_def _running(pid):
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it exited while we looked
+        return False
+
+
+CELLS = {
     "start": "%load_ext nbdist\n%dist_start -n 2",
     "train": "%%dist --bg train\n"
              "import time, nbdist\n"
