@@ -10,6 +10,7 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
+
 def _running(pid):
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -70,14 +71,7 @@ def test_background_job_in_a_real_kernel_and_shutdown_leaves_nothing(tmp_path):
     assert time.monotonic() - t0 < 200
 
 
-WATCH_def _running(pid):
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:  # it exited while we looked
-        return False
-
-
-CELLS = {
+WATCH_CELLS = {
     "start": "%load_ext nbdist\n%dist_start -n 2",
     "train": "%%dist --bg train\n"
              "import time, nbdist\n"
