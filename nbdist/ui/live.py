@@ -11,6 +11,7 @@ Beyond :data:`nbdist.ui.plots.metrics.MAX_POINTS` points per rank and scalar the
 from __future__ import annotations
 
 import base64
+import contextvars
 import html
 import io
 import threading
@@ -46,8 +47,11 @@ class Watch:
 
         display(self.controls)
         self._handle = display(self._figure_bundle(), raw=True, display_id=True)
-        # Not in this cell's context: an update names its display id, and frontends (and nbclient)
-        # apply it wherever that output is, whichever cell runs when it is sent.
+        # Each update goes out twice (it names its display id: applying it twice changes nothing):
+        # in this cell's context, which JupyterLab routes to this cell's output area, and in the
+        # thread's own, which names the cell running at that moment, as nbclient (and so saved and
+        # rendered notebooks) expects.
+        self._context = contextvars.copy_context()
         self._thread = threading.Thread(target=self._loop, name=f"nbdist-watch-{self.job.name}",
                                         daemon=True)
         self._thread.start()
@@ -76,7 +80,9 @@ class Watch:
         state = (len(self.job.metrics), self.job.state)
         if state != self._drawn and self._handle is not None:
             self._drawn = state
-            self._handle.update(self._figure_bundle(), raw=True)
+            bundle = self._figure_bundle()
+            self._context.run(self._handle.update, bundle, raw=True)
+            self._handle.update(bundle, raw=True)
             self.redraws += 1
 
     def _status_html(self) -> str:
