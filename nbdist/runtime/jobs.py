@@ -128,12 +128,12 @@ class Job:
         p.text(repr(self))
 
     def _repr_html_(self) -> str:
-        rows = []
+        rows, steps = [], self.metrics.last_step()
         for rank, values in sorted(self.metrics.last().items()):
             cells = ", ".join(f"{html.escape(n)} = {v:.4g}" if isinstance(v, float)
                               else f"{html.escape(n)} = {html.escape(str(v))}"
                               for n, (_, v) in values.items())
-            step = self.metrics.last_step().get(rank)
+            step = steps.get(rank)
             rows.append(f"<tr><td>{rank}</td><td>{'' if step is None else step}</td>"
                         f"<td>{cells}</td></tr>")
         table = ("<table><thead><tr><th>rank</th><th>last step</th><th>last values</th></tr>"

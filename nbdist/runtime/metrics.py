@@ -8,6 +8,8 @@ import json
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
+from ..report.units import percentile
+
 FIELDS = ("rank", "step", "name", "value", "time_s")
 """The columns of :class:`Metrics`: rank, step (``None`` if not given), scalar name, value, and
 the rank's wall-clock time of the log call (seconds since the epoch)."""
@@ -78,8 +80,8 @@ class Metrics:
                 per_rank.setdefault(rank, []).append(value)
         if len(per_rank) < 2:
             return {}
-        recent = {r: _median(v[-window:]) for r, v in per_rank.items()}
-        middle = _median(list(recent.values()))
+        recent = {r: percentile(v[-window:], 50) for r, v in per_rank.items()}
+        middle = percentile(list(recent.values()), 50)
         if middle <= 0:
             return {}
         return {r: m / middle for r, m in sorted(recent.items()) if m >= factor * middle}
@@ -123,12 +125,6 @@ class Metrics:
             lines.append(f"  rank {rank}" + (f" step {step}" if step is not None else "") + ": "
                          + ", ".join(parts))
         return "\n".join(lines)
-
-
-def _median(values: List[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def _write(text: str, path: Optional[str]) -> Optional[str]:
