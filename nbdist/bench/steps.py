@@ -3,7 +3,9 @@
 The block runs under the collective trace (:func:`nbdist.bench.trace`: torch's profiler, so the
 collectives DDP and FSDP issue from their hooks count too). On exit three scalars go to
 ``nbdist.log`` at step ``i``: ``step_s`` (the block's wall time), ``comm_s`` (the time covered by
-collectives running, their intervals merged, so overlapping ones count once) and ``compute_s``
+collectives, each from its call to the end of its execution -- so the time it waits in the
+backend's queue counts, as the rank is waiting on it -- their intervals merged, so overlapping
+ones count once) and ``compute_s``
 (the rest: compute, data, Python). Communication that overlaps compute counts as communication.
 Starting and stopping the profiler costs about 2 ms per step on a small CPU machine; that happens
 outside the timed block, so it lengthens the run but not the figures.
@@ -43,6 +45,6 @@ def step(n: Optional[int] = None) -> Iterator[None]:
         begin, t0 = time.time(), time.perf_counter()
         yield
         wall = time.perf_counter() - t0
-    comm = merged_length([(e["start"], e["start"] + e["duration"]) for e in tr.events],
-                         begin, begin + wall)
+    comm = merged_length([(min(e["issued"], e["start"]), e["start"] + e["duration"])
+                          for e in tr.events], begin, begin + wall)
     log(step=n, step_s=wall, comm_s=comm, compute_s=max(0.0, wall - comm))
