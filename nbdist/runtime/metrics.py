@@ -14,6 +14,12 @@ FIELDS = ("rank", "step", "name", "value", "time_s")
 """The columns of :class:`Metrics`: rank, step (``None`` if not given), scalar name, value, and
 the rank's wall-clock time of the log call (seconds since the epoch)."""
 
+MAX_ROWS = 200_000
+"""Rows a :class:`Metrics` keeps by default (about 30 MB). Past it, the older half is thinned --
+every other row of each (rank, scalar) series dropped -- so recent steps stay whole and older ones
+grow sparser; ``dropped`` counts what went and the repr and the live view say so. Set
+``job.metrics.max_rows = None`` to keep everything."""
+
 # ---- in the caller -----------------------------------------------------------------------------
 class Metrics:
     """The scalars the ranks logged during a call: rows of :data:`FIELDS`, in arrival order.
@@ -23,14 +29,31 @@ class Metrics:
     thread while a job runs; every method works on a consistent copy.
     """
 
-    def __init__(self, rows: Optional[List[Tuple]] = None):
+    def __init__(self, rows: Optional[List[Tuple]] = None, max_rows: Optional[int] = MAX_ROWS):
         self._rows: List[Tuple] = list(rows or [])
         self._lock = threading.Lock()
+        self.max_rows = max_rows  #: thin the older rows past this many (``None``: keep all)
+        self.dropped = 0  #: rows dropped by thinning so far
 
     def add(self, batch: List[Tuple]) -> None:
-        """Append rows that arrived from a rank."""
+        """Append rows that arrived from a rank (thinning the older ones past ``max_rows``)."""
         with self._lock:
             self._rows.extend(tuple(row) for row in batch)
+            if self.max_rows is not None and len(self._rows) > self.max_rows:
+                self._thin()
+
+    def _thin(self) -> None:
+        """Drop every other row of each (rank, name) series in the older half of the rows."""
+        half = len(self._rows) // 2
+        seen: Dict[Tuple[int, str], int] = {}
+        kept = []
+        for row in self._rows[:half]:
+            key = (row[0], row[2])
+            n = seen[key] = seen.get(key, -1) + 1
+            if n % 2 == 0:
+                kept.append(row)
+        self.dropped += half - len(kept)
+        self._rows[:half] = kept
 
     def rows(self) -> List[Tuple]:
         """A copy of the rows, as tuples in :data:`FIELDS` order."""
@@ -117,7 +140,8 @@ class Metrics:
         last = self.last()
         if not last:
             return "<nbdist Metrics: nothing logged yet>"
-        lines = [f"<nbdist Metrics: {len(self)} rows, {len(last)} ranks>"]
+        thinned = f" (older rows thinned: {self.dropped} dropped)" if self.dropped else ""
+        lines = [f"<nbdist Metrics: {len(self)} rows, {len(last)} ranks{thinned}>"]
         for rank in sorted(last):
             parts = [f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
                      for name, (_, value) in last[rank].items()]

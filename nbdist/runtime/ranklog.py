@@ -3,7 +3,9 @@
 Each call appends one row per scalar to a buffer -- a tuple and a clock read, about a microsecond;
 a flusher thread sends what is there to the caller over the control channel every :data:`FLUSH_S`
 seconds, and the worker sends the rest before the call's reply, so a logged value reaches the
-caller within about :data:`FLUSH_S` however rarely the code logs. The caller keeps the rows in the call's
+caller within about :data:`FLUSH_S` however rarely the code logs. The buffer is bounded: a
+``log`` that finds :data:`MAX_BUFFER` rows waiting sends them itself, so a rank logging faster
+than the caller reads waits rather than growing without end or dropping rows. The caller keeps the rows in the call's
 :class:`~nbdist.runtime.metrics.Metrics`. Imported by the worker: no plotting, nothing above.
 """
 from __future__ import annotations
@@ -15,6 +17,7 @@ import time
 from typing import Any, Callable, List, Optional, Tuple
 
 FLUSH_S = 0.2  #: a rank sends what it logged at least this often while a call runs
+MAX_BUFFER = 50_000  #: rows waiting on a rank; a log() that finds more sends them itself
 
 _buffer: "collections.deque[Tuple]" = collections.deque()  # appends and pops are thread-safe
 _lock = threading.Lock()  # one batch at a time; end() and the flusher never interleave
@@ -41,6 +44,8 @@ def log(step: Optional[int] = None, **scalars: Any) -> None:
                                 f"{type(value).__name__}")
             value = item()
         _buffer.append((_rank, step, name, value, now))
+    if len(_buffer) >= MAX_BUFFER:  # logging faster than the flusher sends: send here (no loss)
+        flush()
 
 
 def flush() -> None:

@@ -154,6 +154,21 @@ def _steps_with_a_slow_rank(steps):
             dist.all_reduce(t)
 
 
+def test_a_rank_logging_faster_than_it_flushes_sends_itself_and_loses_nothing(group):
+    def burst(n):
+        import nbdist
+        from nbdist.runtime import ranklog
+
+        ranklog.MAX_BUFFER = 1000
+        for i in range(n):
+            nbdist.log(step=i, x=i)
+        return len(ranklog._buffer)
+
+    job = group.submit(burst, 25_000)
+    assert all(left < 1000 for left in job.result(timeout=60))
+    assert len(job.metrics) == 50_000 and job.metrics.dropped == 0
+
+
 def test_step_breakdown_and_the_straggler_is_named(group):
     job = group.submit(_steps_with_a_slow_rank, 12)
     job.result(timeout=60)

@@ -81,3 +81,18 @@ def test_stragglers_from_compute_times():
     assert m.stragglers() == {2: 3.0}
     assert m.stragglers(factor=4.0) == {}
     assert Metrics().stragglers() == {}
+
+
+def test_the_table_is_bounded_older_rows_thinned_recent_ones_whole():
+    m = Metrics(max_rows=1000)
+    for i in range(3000):
+        m.add([(r, i, "loss", float(i), 0.0) for r in (0, 1)])
+    assert len(m) <= 1000 and m.dropped == 6000 - len(m)
+    steps, _ = m.series("loss", 1)
+    assert steps[-50:] == list(range(2950, 3000))  # the recent steps are all there
+    assert steps[0] == 0 and steps == sorted(steps)  # older ones sparser, in order
+    assert sum(1 for r in m.rows() if r[0] == 0) == sum(1 for r in m.rows() if r[0] == 1)
+    assert f"(older rows thinned: {m.dropped} dropped)" in repr(m)
+    keep = Metrics(max_rows=None)
+    keep.add([(0, i, "x", i, 0.0) for i in range(5000)])
+    assert len(keep) == 5000 and keep.dropped == 0

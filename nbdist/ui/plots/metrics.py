@@ -35,7 +35,7 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> Lis
         axes = [ax] * len(names)
     ranks = sorted({row["rank"] for row in metrics})
     for name, axis in zip(names, axes):
-        thinned = False
+        thinned = bool(getattr(metrics, "dropped", 0))  # the table itself thinned old rows
         for rank in ranks:
             xs, ys = metrics.series(name, rank)
             if not xs:
