@@ -12,14 +12,17 @@ the group and starts no process. :func:`install_hooks` (run on the ranks by :fun
 * refuses a ``process_group_backend`` other than the group's, which Lightning would silently
   ignore; :func:`fit` honours it instead, re-forming the process group for the fit.
 
-``import nbdist`` never imports Lightning; this module imports it only when used.
+``import nbdist`` never imports Lightning; this module imports it only when used. Once the
+kernel has imported Lightning, the ranks import it too, between calls (:func:`warm`; in a notebook
+after each cell, by itself), so the first fit doesn't wait for it.
 """
 from __future__ import annotations
 
 from .fit import FitResult, fit
 from .guards import _FABRIC_OF, _environment_class, _installed_namespace, install_hooks
+from .warmup import warm
 
-__all__ = ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare"]
+__all__ = ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare", "warm"]
 
 
 def __getattr__(name: str):

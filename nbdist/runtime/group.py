@@ -22,7 +22,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 from ..errors import GroupBusyError, GroupClosedError
 from ..wire import segments
 from ..wire.relay import Sink, default_sink
-from . import requests
+from . import imports, requests
 from .calls import Call, settle
 from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
 from .jobs import Job
@@ -127,7 +127,7 @@ class Group:
             self._state = "broken"
             raise
         self._ranks, self._rs = self._inc.rs.ranks, self._inc.rs
-        self._state = "ready"
+        self._state, self._preloaded = "ready", set()
 
     def _sink(self, rank: int, stream: str, text: str) -> None:
         job = self.job
@@ -182,9 +182,6 @@ class Group:
     def __exit__(self, *exc) -> None:
         self.stop()
 
-    def _repr_pretty_(self, p, cycle) -> None:
-        p.text(repr(self))
-
     def __repr__(self) -> str:
         return (f"<nbdist.Group {self.id}: {self._state}, world_size={self.world_size}, "
                 f"backend={self.backend!r}, device={self.device!r}>")
@@ -204,11 +201,9 @@ class Group:
 
     # ---- calls --------------------------------------------------------------------------------
     def run(self, fn: Callable, *args, **kwargs) -> List[Any]:
-        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
-
-        ``fn`` may be a lambda, a closure or a function defined in the notebook: it travels by
-        value (cloudpickle). Use :meth:`call` to pick ranks or set a deadline.
-        """
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order. ``fn``
+        may be a lambda, a closure or a function defined in the notebook: it travels by value
+        (cloudpickle). Use :meth:`call` to pick ranks or set a deadline."""
         return self.call(fn, args, kwargs)
 
     def call(self, fn: Callable, args: Sequence = (), kwargs: Optional[Dict[str, Any]] = None,
@@ -218,11 +213,9 @@ class Group:
 
     def exec(self, source: str, ranks: Optional[Iterable[int]] = None,
              timeout: Optional[float] = None) -> List[Any]:
-        """Run Python ``source`` on the ranks, in a namespace that persists across calls.
-
-        Returns each rank's value of the last expression (``None`` if the code ends with a
-        statement). The namespace starts with ``torch``, ``dist``, ``rank``, ``world_size``, ``device``.
-        """
+        """Run Python ``source`` on the ranks, in a namespace that persists across calls; return
+        each rank's value of the last expression (``None`` if the code ends with a statement).
+        The namespace starts with ``torch``, ``dist``, ``rank``, ``world_size``, ``device``."""
         req = requests.exec_request(source, f"<dist-cell-{next(self._seq)}>")
         return self._call(req, ranks, timeout)
 
@@ -252,6 +245,23 @@ class Group:
         """:meth:`exec` in the background (what ``%%dist --bg`` does); returns a :class:`Job`."""
         req = requests.exec_request(source, f"<dist-cell-{next(self._seq)}>")
         return self._submit(req, ranks, timeout, name or "cell")
+
+    def preload(self, *modules: str) -> bool:
+        """Import ``modules`` on every rank right after this short call, and return at once; the
+        next call starts there once they are imported. Does nothing and returns ``False`` while
+        the group is busy or not ready; ``g.metrics`` stays the last real call's. A module
+        missing on a rank raises :class:`RemoteError`."""
+        if self._state != "ready" or self.job is not None:
+            return False
+        todo = [m for m in modules if m not in self._preloaded]
+        last = self._last_call
+        try:
+            if todo:
+                self._call(requests.run_request(imports.start, (todo,), {}, self._prefix), None, 30)
+        finally:
+            self._last_call = last
+        self._preloaded.update(todo)
+        return True
 
     @property
     def job(self) -> Optional[Job]:

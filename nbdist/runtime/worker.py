@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
-from . import ranklog
+from . import imports, ranklog
 
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
@@ -235,6 +235,7 @@ class _Worker:
                 ranklog.end()  # what the call logged goes before its reply
             _flush_output()
             channel.send_bytes(reply)
+            imports.run_pending()  # Group.preload: after the reply, before the next request
 
     def _handle(self, handler, payload, seq) -> bytes:
         error = None

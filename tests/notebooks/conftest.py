@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 from IPython.testing.globalipapp import start_ipython
 
+from nbdist.lightning import warmup as warm
 from nbdist.ui import magics
 
 
@@ -19,6 +20,7 @@ def shell():
     ip = start_ipython()
     ip.display_formatter.active_types = ip.display_formatter.format_types
     ip.run_line_magic("load_ext", "nbdist")
+    warm.AUTO = False  # the session imports Lightning: keep its early import off other tests' ranks
     yield ip
     ip.run_line_magic("unload_ext", "nbdist")
 

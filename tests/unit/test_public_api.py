@@ -37,7 +37,8 @@ API = {
         "FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
-    "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare"],
+    "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
+                         "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
                   "memory_panel", "watch"],
 }

@@ -32,6 +32,7 @@ Adding magics (``%dist_bench``, ``%dist_mem``, ``%dist_ui``)
 """
 from __future__ import annotations
 
+from ...runtime.current import say_once
 from ...runtime.group import current_group, use_group
 from . import base
 from .base import NbdistMagics, register_magics, usage
@@ -53,6 +54,31 @@ def load_ipython_extension(shell) -> None:
     for cls in base._magic_classes:
         if cls.__name__ not in shell.magics_manager.registry:
             shell.register_magics(cls)
+    for event, hook in (("pre_run_cell", _before_cell), ("post_run_cell", _after_cell)):
+        if hook not in shell.events.callbacks[event]:
+            shell.events.register(event, hook)
+
+
+def _before_cell(info=None) -> None:
+    """Before a cell that imports Lightning: the idle groups' ranks import it too, meanwhile."""
+    _warm(getattr(info, "raw_cell", None) or "")
+
+
+def _after_cell(result=None) -> None:
+    """After each cell: once the kernel has imported Lightning, the idle groups' ranks import it
+    too (:mod:`nbdist.lightning.warmup`), so the first fit doesn't wait for it."""
+    _warm(None)
+
+
+def _warm(source) -> None:
+    from ...lightning.warmup import warm_groups
+
+    try:
+        warm_groups(source)
+    except Exception as exc:  # noqa: BLE001 -- a hook must not break the user's cell
+        say_once(f"nbdist: could not import Lightning on the ranks ahead of the first fit "
+                 f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}); "
+                 "fit() will import it when it runs.")
 
 
 def unload_ipython_extension(shell) -> None:
@@ -66,6 +92,9 @@ def unload_ipython_extension(shell) -> None:
         for kind in ("line", "cell"):
             for name in magics.magics[kind]:
                 shell.magics_manager.magics[kind].pop(name, None)
+    for event, hook in (("pre_run_cell", _before_cell), ("post_run_cell", _after_cell)):
+        if hook in shell.events.callbacks[event]:
+            shell.events.unregister(event, hook)
     for group in list(base._started):
         group.stop()
     if current_group() is not None and current_group().state == "stopped":
