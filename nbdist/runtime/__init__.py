@@ -13,7 +13,8 @@ Parts, one owner each:
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,
   pending / replies / dead) ends in one outcome; :func:`~nbdist.runtime.calls.settle` is the one
   teardown policy that turns it into results or an error, and says whether the group is broken.
-* :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows.
+* :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows;
+  :mod:`.imports` -- modules a rank imports between calls (``Group.preload``).
 * Beside the runtime, in :mod:`nbdist.wire`: the output relay (reads every rank's stdout/stderr)
   and each rank's lifeline (interrupt / kill commands down its stderr socket, liveness up).
 
