@@ -76,7 +76,6 @@ class Watch:
 
     def refresh(self) -> None:
         """Redraw now if anything changed since the last redraw."""
-        self.status.value = self._status_html()
         state = (len(self.job.metrics), self.job.state)
         if state != self._drawn and self._handle is not None:
             self._drawn = state
@@ -84,6 +83,7 @@ class Watch:
             self._context.run(self._handle.update, bundle, raw=True)
             self._handle.update(bundle, raw=True)
             self.redraws += 1
+        self.status.value = self._status_html()  # after the figure: the two agree
 
     def _status_html(self) -> str:
         return f"<span class='nbdist-watch-status'>{html.escape(self.job.describe())}</span>"

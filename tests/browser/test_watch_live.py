@@ -1,0 +1,87 @@
+"""The live view in JupyterLab, in headless Chromium (issue 17): run tutorial 8, see the figure of
+a background job change between two screenshots while it runs, the notebook answer meanwhile, and
+the job's output stay under the cell that started it.
+
+The tutorial's job (120 steps) can end here within a couple of seconds of the view's first figure
+-- about one redraw, as a figure takes 0.6-1.2 s to render on this machine -- so the test's copy
+trains for 1,500 steps (20-40 s): long enough for several redraws whatever the load. The first
+screenshot must show the job running, so the figures compared are both from while it ran.
+"""
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+import pytest
+
+NOTEBOOK = "08_watch_live.ipynb"
+
+OPEN = """() => {
+    const w = window.jupyterapp && window.jupyterapp.shell.currentWidget;
+    const s = w && w.sessionContext;
+    return !!(w && w.context && w.context.path === %r && s && s.session && s.session.kernel
+              && s.session.kernel.status === 'idle');
+}""" % NOTEBOOK
+
+ALL_RAN = """() => {
+    const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')];
+    return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
+}"""
+
+FIGURE_SRC = """(index) => {
+    const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
+    const img = cell && cell.querySelector('.jp-OutputArea-output img');
+    return img && img.complete && img.naturalWidth > 100 ? img.getAttribute('src') : null;
+}"""
+
+
+def _index(page, text):
+    """The position (among all cells) of the first cell whose source contains ``text``."""
+    return page.evaluate("""(text) => [...document.querySelectorAll('.jp-Notebook .jp-Cell')]
+        .findIndex(c => (c.querySelector('.jp-InputArea') || c).textContent.includes(text))""",
+                         text)
+
+
+def _longer(path, steps=1500):
+    """The copy's background cell trains for ``steps`` steps instead of the tutorial's 120."""
+    nb = json.loads(path.read_text())
+    cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("%%dist --bg job"))
+    assert "".join(cell["source"]) == "%%dist --bg job\ntrain()"
+    cell["source"] = f"%%dist --bg job\ntrain({steps})"
+    path.write_text(json.dumps(nb))
+
+
+@pytest.mark.timeout(240)
+def test_the_live_view_changes_while_the_job_runs(jupyterlab, page, artifacts):
+    _longer(jupyterlab.root / NOTEBOOK)
+    page.set_default_timeout(30_000)
+    page.goto(f"{jupyterlab.url}/lab/workspaces/w{uuid.uuid4().hex[:8]}/tree/{NOTEBOOK}"
+              f"?reset&token={jupyterlab.token}")
+    page.wait_for_function(OPEN, timeout=60_000)
+    # not awaited: the command's promise settles only once every cell has run
+    page.evaluate("() => { window.jupyterapp.commands.execute('notebook:run-all-cells'); }")
+    watch, bg = _index(page, "%dist_watch job"), _index(page, "%%dist --bg job")
+    assert watch > bg > 0
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(watch)
+    first = page.wait_for_function(FIGURE_SRC, arg=watch, timeout=60_000).json_value()
+    cell.scroll_into_view_if_needed()
+    cell.screenshot(path=str(artifacts / "watch-1.png"))
+    assert "running" in cell.locator(".nbdist-watch-status").text_content()
+    deadline, second = time.monotonic() + 30, first
+    while second == first and time.monotonic() < deadline:
+        time.sleep(0.3)
+        second = page.evaluate(FIGURE_SRC, watch)
+    running = "running" in cell.locator(".nbdist-watch-status").text_content()
+    cell.screenshot(path=str(artifacts / "watch-2.png"))
+    assert second != first, "the live view's figure did not change while the job ran"
+    assert running, "the job ended before the figure changed: no update seen while it ran"
+    page.wait_for_function(ALL_RAN, timeout=150_000)  # every cell ran (and the job ended)
+    bg_text = page.locator(".jp-Notebook .jp-Cell").nth(bg).text_content()
+    assert "[rank 0] first step done" in bg_text and "[rank 1] first step done" in bg_text
+    free = page.locator(".jp-Notebook .jp-Cell").nth(_index(page, "print(\"the kernel is free:\""))
+    assert "the kernel is free: 45" in free.text_content()
+    status = cell.locator(".nbdist-watch-status").text_content()
+    assert "done" in status and "straggler: rank 1" in status
+    cell.screenshot(path=str(artifacts / "watch-final.png"))
+    print(f"\nscreenshots: {artifacts / 'watch-1.png'}, watch-2.png, watch-final.png")
