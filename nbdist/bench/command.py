@@ -40,7 +40,7 @@ def cli(argv: Optional[List[str]] = None) -> int:
     """Entry point of ``python -m nbdist bench``; return the exit code (1 if a result was wrong
     or the group could not start)."""
     from ..errors import NbdistError
-    from ..runtime.group import start
+    from ..runtime.api import start
 
     parser = _parser()
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)

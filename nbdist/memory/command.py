@@ -9,7 +9,7 @@ from typing import List
 import torch
 
 from .. import strategies as _strategies
-from ..runtime.group import start
+from ..runtime.api import start
 from .formulas import OPTIMIZERS, count_params, estimate, estimate_curve, model_spec
 from .report import estimate_table, measure
 

@@ -15,6 +15,8 @@ Parts, one owner each:
   teardown policy that turns it into results or an error, and says whether the group is broken.
 * :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows;
   :mod:`.imports` -- modules a rank imports between calls (``Group.preload``).
+* :mod:`.output` -- where the ranks' lines go: kept on the call (``last_output``, ``job.output``),
+  then shown with repeats folded (quiet ranks), as written, or to the user's ``output=`` sink.
 * Beside the runtime, in :mod:`nbdist.wire`: the output relay (reads every rank's stdout/stderr)
   and each rank's lifeline (interrupt / kill commands down its stderr socket, liveness up).
 
@@ -26,7 +28,9 @@ Threading model
     *Relay thread* (one per group, ``nbdist-output``): reads the ranks' output sockets and hands
     lines to the sink, in the context of the call that was running (so output lands in the cell
     that made the call); its buffers are guarded by the relay's own lock, and the caller thread
-    drains it under that lock before returning results.
+    drains it under that lock before returning results. It also ticks the output router, which
+    releases folded lines held back for their 0.2 s window; the call's thread shows what is still
+    held, and the summary of repeats, when the call ends (a job's thread, when the job ends).
     *Any thread or the GC*: a tensor on a pooled result segment dies and puts the segment on its
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may

@@ -6,7 +6,16 @@ from typing import Any, Callable, List, Optional
 
 from . import group as group_module
 from .attach import AttachLauncher, parse_listen
-from .group import Group, start  # noqa: F401 -- start: the front door imports it here
+from .group import Group
+
+
+def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
+          timeout: float = 60.0, **options) -> Group:
+    """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
+
+    See :class:`Group` for the options. Use it as a context manager to stop it at the end.
+    """
+    return Group(world_size, backend, device, timeout, **options)
 
 
 def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",

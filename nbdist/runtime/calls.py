@@ -29,6 +29,7 @@ from .ranks import RankSet
 from .ready import failure_from
 
 OK, DIED, TIMEOUT, INTERRUPTED = "ok", "died", "timeout", "interrupted"
+OUTPUT_LINES = 1000  #: lines of output a call keeps per rank (the oldest are dropped beyond)
 
 
 class Call:
@@ -45,7 +46,14 @@ class Call:
         self.dead: set = set()
         self.outcome: Optional[str] = None
         self.metrics = Metrics()  #: what the ranks logged with nbdist.log during the call
+        self.output: Dict[int, List[str]] = {}  #: per rank, every line printed (repeats too)
         self._cancelled = False
+
+    def add_output(self, rank: int, text: str) -> None:
+        """Keep what rank ``rank`` printed (the last :data:`OUTPUT_LINES` lines per rank)."""
+        lines = self.output.setdefault(rank, [])
+        lines.extend(text.splitlines())
+        del lines[:-OUTPUT_LINES]
 
     def send(self, rs: RankSet) -> None:
         """Send the request to every target (a rank whose channel fails is caught by the wait)."""

@@ -19,15 +19,16 @@ import secrets
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..errors import GroupBusyError, GroupClosedError
+from ..errors import GroupClosedError
 from ..wire import segments
-from ..wire.relay import Sink, default_sink
+from ..wire.relay import Sink
 from . import imports, requests
 from .calls import Call, settle
 from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
 from .jobs import Job
 from .launcher import Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
+from .output import RankOutput
 from .ranks import Rank, RankSet
 from .status import GroupStatus, check_options, collect_status
 
@@ -51,7 +52,8 @@ class Group:
             about 3x slower small collectives).
         grace: seconds a rank gets to react to SIGINT before it is killed.
         auto_restart: restart the group by itself after a failure that broke it.
-        output: ``sink(rank, stream, text)`` receiving the ranks' output lines.
+        output: ``sink(rank, stream, text)`` receiving every line of the ranks' output.
+        dedupe_output: show a repeated line once, labelled with its ranks (:attr:`dedupe_output`).
         max_world_size: raise the CPU sanity limit on ``world_size``.
     """
 
@@ -61,7 +63,7 @@ class Group:
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  debug: bool = False, grace: float = 0.5, auto_restart: bool = False,
                  output: Optional[Sink] = None, max_world_size: Optional[int] = None,
-                 _launcher: Optional[Launcher] = None):
+                 dedupe_output: bool = True, _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)
         self._launcher = _launcher or LocalLauncher()
         self._lock = threading.RLock()  # held by a call from send to settle, and by lifecycle
@@ -74,6 +76,7 @@ class Group:
         self._last_call: Optional[Call] = None
         self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
         self.output = output
+        self._out = RankOutput(dedupe_output, lambda: self.output)
         self._opts: Dict[str, Any] = {}
         self._configure(world_size=world_size, backend=backend, device=device, timeout=timeout,
                         call_timeout=call_timeout, init_timeout=init_timeout, threads=threads,
@@ -122,18 +125,28 @@ class Group:
     def _launch(self) -> None:
         try:
             say_once(self._choice.note)
-            self._inc = Incarnation(self.id, self._launcher, self._choice, self._opts, self._sink)
+            self._inc = Incarnation(self.id, self._launcher, self._choice, self._opts, self._out)
         except BaseException:
             self._state = "broken"
             raise
         self._ranks, self._rs = self._inc.rs.ranks, self._inc.rs
         self._state, self._preloaded = "ready", set()
 
-    def _sink(self, rank: int, stream: str, text: str) -> None:
-        job = self.job
-        if job is not None:
-            job.add_output(rank, text)
-        (self.output or default_sink)(rank, stream, text)
+    @property
+    def dedupe_output(self) -> bool:
+        """Quiet ranks (default ``True``): a line that several ranks print, or a rank again and
+        again, is shown once, labelled with its ranks; a summary at the end of the call says how
+        often. ``False`` (settable) shows every line; a custom ``output`` sink gets every line."""
+        return self._out.dedupe
+
+    @dedupe_output.setter
+    def dedupe_output(self, value: bool) -> None:
+        self._out.dedupe = value
+
+    @property
+    def last_output(self) -> Dict[int, List[str]]:
+        """Per rank, every line printed in the last call or job (repeats too; the last 1000)."""
+        return self._last_call.output if self._last_call is not None else {}
 
     def restart(self, **changes) -> "Group":
         """Stop the workers and start fresh ones, with any option changed (``world_size=``,
@@ -280,10 +293,7 @@ class Group:
 
     def _check_usable(self) -> None:
         if self.job is not None:
-            raise GroupBusyError(
-                f"the group is busy with background job {self.job.name!r} (running "
-                f"{self.job.elapsed:.1f} s); wait for it with job.wait() or %dist_wait, or stop it "
-                "with job.interrupt(). Calls are never queued behind a job.", self.job)
+            raise self.job.busy_error()
         if self._state == "stopped":
             raise GroupClosedError("this group was stopped; start a new one with nbdist.start() "
                                    "or call restart() on it.")
@@ -304,6 +314,7 @@ class Group:
         call = self._last_call = Call(next(self._seq), req.kind, req.payload, targets, timeout,
                                       req.what)
         self._inc.relay.context = contextvars.copy_context()
+        self._out.begin(call)
         self._state = "busy"
         return call
 
@@ -322,6 +333,8 @@ class Group:
         except BaseException:
             self._teardown()  # something unforeseen mid-call: no channel can be trusted
             raise
+        finally:  # what the call printed: held lines, the summary of repeated ones
+            self._out.finish(call, getattr(self._inc, "relay", None))
         if verdict.broken or self._stop_requested:
             self._teardown()
         else:
@@ -372,8 +385,7 @@ class Group:
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:
-        """Per-rank state (idle / busy with what since when / dead with exit code), pid, memory,
-        and the background job if one runs."""
+        """Per-rank state (idle / busy with what, since when / dead, exit code), pid, memory, job."""
         job = self.job
         return collect_status(self._state, self.world_size, self.backend, self.device, self._ranks,
                               job.describe() if job is not None else "")
@@ -384,14 +396,3 @@ def use_group(group: Optional[Group]) -> None:
     if group is not None and not isinstance(group, Group):
         raise TypeError(f"use_group() takes an nbdist.Group (or None), got {type(group).__name__}")
     set_current(group)
-
-
-def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
-          timeout: float = 60.0, **options) -> Group:
-    """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
-
-    See :class:`Group` for the options. Use it as a context manager to stop it at the end.
-    """
-    return Group(world_size, backend, device, timeout, **options)
-
-

@@ -13,10 +13,9 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from .calls import Call
+from ..errors import GroupBusyError
+from .calls import OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
 from .metrics import Metrics
-
-OUTPUT_LINES = 1000  #: lines of output kept per rank (the oldest are dropped beyond)
 
 
 class Job:
@@ -27,7 +26,8 @@ class Job:
         self.name = name
         self.call = call
         self.metrics: Metrics = call.metrics  #: what the ranks logged so far (nbdist.log)
-        self.output: Dict[int, List[str]] = {}  #: per rank, the lines printed so far
+        #: per rank, every line printed so far, repeats included (the last 1000 per rank)
+        self.output: Dict[int, List[str]] = call.output
         self.started = time.time()
         self.ended: Optional[float] = None
         self._finish = finish
@@ -53,10 +53,8 @@ class Job:
             self._done.set()
 
     def add_output(self, rank: int, text: str) -> None:
-        """Keep what rank ``rank`` printed (the relay calls this as lines arrive)."""
-        lines = self.output.setdefault(rank, [])
-        lines.extend(text.splitlines())
-        del lines[:-OUTPUT_LINES]
+        """Keep what rank ``rank`` printed (the group's output router keeps it on the call)."""
+        self.call.add_output(rank, text)
 
     # ---- state --------------------------------------------------------------------------------
     def done(self) -> bool:
@@ -106,6 +104,13 @@ class Job:
         after the group's grace period (inside a collective) are killed and the group must restart.
         Returns at once; :meth:`wait` for the end."""
         self.call.cancel()
+
+    def busy_error(self) -> GroupBusyError:
+        """The error a call on the group raises while this job runs."""
+        return GroupBusyError(
+            f"the group is busy with background job {self.name!r} (running {self.elapsed:.1f} s);"
+            " wait for it with job.wait() or %dist_wait, or stop it with job.interrupt(). Calls "
+            "are never queued behind a job.", self)
 
     # ---- display ------------------------------------------------------------------------------
     def describe(self) -> str:

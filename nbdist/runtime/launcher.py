@@ -61,7 +61,7 @@ class Incarnation:
     before the error propagates; :meth:`shutdown` stops the ranks and releases the rest."""
 
     def __init__(self, group_id: str, launcher: Launcher, choice: BackendChoice,
-                 opts: Dict[str, Any], sink):
+                 opts: Dict[str, Any], output):
         self.group_id, self.launcher = group_id, launcher
         self.tmp: Optional[str] = None
         self.relay: Optional[OutputRelay] = None
@@ -71,7 +71,7 @@ class Incarnation:
             threads = threads_per_rank(opts)
             segments.sweep_orphans()
             self.tmp = tempfile.mkdtemp(prefix=f"nbdist-{group_id}-p{os.getpid()}-")
-            self.relay = OutputRelay(sink)
+            self.relay = OutputRelay(output.line, output.tick)
             ranks, self.store = launcher.launch(group_id, choice, opts, threads, self.tmp,
                                                 self.relay)
             self.rs = RankSet(ranks, self.relay)

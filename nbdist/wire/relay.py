@@ -19,9 +19,11 @@ import selectors
 import socket
 import sys
 import threading
+import time
 from typing import Callable, Deque, Dict, Optional, Tuple
 
 Sink = Callable[[int, str, str], None]
+Tick = Callable[[float], Optional[float]]
 TAIL_LINES = 40
 
 
@@ -71,10 +73,16 @@ class Lifeline:
 
 
 class OutputRelay:
-    """Reads the ranks' output sockets on one thread and hands complete lines to a sink."""
+    """Reads the ranks' output sockets on one thread and hands complete lines to a sink.
 
-    def __init__(self, sink: Optional[Sink] = None):
+    ``tick(now)``, if given, is called on the relay thread (in :attr:`context`, under the relay's
+    lock) after every read and whenever the seconds it last returned have passed (``None``: wake
+    within a second): a sink that holds lines back releases them from there.
+    """
+
+    def __init__(self, sink: Optional[Sink] = None, tick: Optional[Tick] = None):
         self.sink: Sink = sink or default_sink
+        self.tick = tick
         self.context: Optional[contextvars.Context] = None
         self._sel = selectors.DefaultSelector()
         self._lock = threading.RLock()
@@ -142,9 +150,10 @@ class OutputRelay:
                         self._emit(rank, stream, rest.decode("utf-8", "backslashreplace"))
 
     def _loop(self) -> None:
+        wait = 1.0
         while not self._closed:
             try:
-                events = self._sel.select(timeout=1.0)
+                events = self._sel.select(timeout=wait)
             except (OSError, ValueError):
                 if self._closed:
                     return
@@ -161,6 +170,21 @@ class OutputRelay:
                 with self._lock:
                     if key.fd in self._sel.get_map():
                         self._read(key.fileobj, key.data)
+            wait = self._tick()
+
+    def _tick(self) -> float:
+        if self.tick is None:
+            return 1.0
+        with self._lock:
+            try:
+                if self.context is not None:
+                    wait = self.context.run(self.tick, time.monotonic())
+                else:
+                    wait = self.tick(time.monotonic())
+            except Exception as err:  # noqa: BLE001 -- as for the sink: the relay goes on
+                sys.__stderr__.write(f"nbdist: output tick failed ({err!r})\n")
+                wait = None
+        return 1.0 if wait is None else min(1.0, max(wait, 0.01))
 
     def _read(self, sock: socket.socket, who: Tuple[int, str]) -> None:
         chunks = []

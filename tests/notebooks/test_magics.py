@@ -56,6 +56,7 @@ def test_cell_magic_has_help(shell):
     _, captured = run(shell, "%%dist?")
     assert "Run Python code on the ranks" in captured.stdout
     assert "--ranks" in captured.stdout
+    assert "--all-output" in captured.stdout and "Quiet ranks" in captured.stdout
 
 
 USAGE_ERRORS = [
@@ -164,8 +165,30 @@ def test_cell_output_is_labelled_by_rank_and_values_shown_per_rank(shell, dist_g
                                   "print('sum', t.item())\n"
                                   "t")
     assert result.success
-    assert "[rank 0] sum 3.0" in captured.stdout and "[rank 1] sum 3.0" in captured.stdout
+    assert "[ranks 0, 1] sum 3.0" in captured.stdout  # the same line from both ranks: once
     assert texts(captured) == ["Out[rank 0]: tensor([3.])", "Out[rank 1]: tensor([3.])"]
+
+
+@pytest.mark.timeout(120)
+def test_repeated_lines_show_once_and_all_output_shows_every_line(shell, dist_group):
+    cell = ("import warnings\nwarnings.simplefilter('always')\n"
+            "for step in range(4):\n"
+            "    warnings.warn('old_api is deprecated', FutureWarning)\n"
+            "    print(f'loss {rank * 10 + step}')\n")
+    _, captured = run(shell, "%%dist\n" + cell)
+    assert captured.stderr.count("FutureWarning: old_api is deprecated") == 2  # once, summary
+    assert "[ranks 0, 1] <dist-cell-" in captured.stderr
+    assert "[ranks 0, 1: 4 times each] <dist-cell-" in captured.stderr
+    assert "nbdist: repeated lines were shown once" in captured.stderr
+    for rank in (0, 1):
+        assert [line for line in captured.stdout.splitlines()
+                if line.startswith(f"[rank {rank}]")] == \
+            [f"[rank {rank}] loss {rank * 10 + step}" for step in range(4)]
+    _, captured = run(shell, "%%dist --all-output\n" + cell)
+    assert captured.stderr.count("FutureWarning: old_api is deprecated") == 8
+    assert "repeated lines" not in captured.stderr
+    assert dist_group.dedupe_output is True  # --all-output was for that cell only
+    assert all(len(lines) == 12 for lines in dist_group.last_output.values())
 
 
 @pytest.mark.timeout(120)
@@ -175,7 +198,7 @@ def test_output_arrives_while_the_cell_runs(shell, dist_group, tmp_path):
     def release_when_both_ranks_wait(stream):
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            if all(f"[rank {r}] waiting" in stream.getvalue() for r in (0, 1)):
+            if all(f"[rank {r}] waiting on {r}" in stream.getvalue() for r in (0, 1)):
                 go.touch()
                 return
             time.sleep(0.05)
@@ -185,13 +208,13 @@ def test_output_arrives_while_the_cell_runs(shell, dist_group, tmp_path):
         thread.start()
         shell.run_cell("%%dist\n"
                        "import pathlib, time\n"
-                       "print('waiting')\n"
+                       "print('waiting on', rank)\n"
                        f"go, deadline = pathlib.Path({str(go)!r}), time.monotonic() + 60\n"
                        "while not go.exists() and time.monotonic() < deadline:\n"
                        "    time.sleep(0.05)\n"
-                       "print('released' if go.exists() else 'never released')")
+                       "print('released' if go.exists() else 'never released', rank)")
         thread.join()
-    assert "[rank 0] released" in captured.stdout and "[rank 1] released" in captured.stdout
+    assert "[rank 0] released 0" in captured.stdout and "[rank 1] released 1" in captured.stdout
 
 
 @pytest.mark.timeout(120)
@@ -374,12 +397,12 @@ def test_autodist_runs_every_cell_on_the_ranks_until_toggled_off(shell, dist_gro
 
 @pytest.mark.timeout(120)
 def test_autodist_options_apply_to_every_cell(shell, dist_group):
-    run(shell, "%autodist --ranks 1 --timeout 30 -q")
+    run(shell, "%autodist --ranks 1 --timeout 30 -q --all-output")
     try:
-        _, captured = run(shell, "print('from', rank)\nrank")
+        _, captured = run(shell, "print('from', rank)\nprint('from', rank)\nrank")
     finally:
         run(shell, "%autodist")
-    assert "[rank 1] from 1" in captured.stdout and "[rank 0]" not in captured.stdout
+    assert captured.stdout.count("[rank 1] from 1") == 2 and "[rank 0]" not in captured.stdout
     assert captured.outputs == []
 
 

@@ -13,11 +13,26 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
 from ...errors import NbdistError
-from ...runtime.group import Group, current_group, start, use_group
+from ...runtime.api import start
+from ...runtime.group import Group, current_group, use_group
 from .base import (JOBS, NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure,
                    _started, check_ranks, job_name, register_magics, split_statement, usage)
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
+
+
+@contextlib.contextmanager
+def _all_output(group: Optional[Group]) -> Iterator[None]:
+    """``%%dist --all-output``: the calls made inside show every line of ``group``'s ranks (a
+    background job keeps the setting it started with); ``None``: change nothing."""
+    if group is None:
+        yield
+        return
+    before, group.dedupe_output = group.dedupe_output, False
+    try:
+        yield
+    finally:
+        group.dedupe_output = before
 
 
 @register_magics
@@ -108,6 +123,9 @@ class DistMagics(NbdistMagics):
     @argument("--bg", nargs="?", const="", default=None, type=job_name, metavar="NAME",
               help="run in the background: the cell returns a job at once (stored in NAME if "
                    "given); %%dist_jobs lists jobs, %%dist_wait NAME waits")
+    @argument("--all-output", action="store_true",
+              help="show every line the ranks print (by default a line that several ranks print, "
+                   "or that a rank repeats, is shown once with its ranks and counted)")
     def dist(self, line: str = "", cell: Optional[str] = None):
         """Run Python code on the ranks: the cell (%%dist) or one statement (%dist statement).
 
@@ -115,6 +133,13 @@ class DistMagics(NbdistMagics):
         torch, dist, rank, world_size and device. What the ranks print appears labelled by rank;
         the value of the last expression is shown per rank. In the one-line form, end the options
         with -- when the statement itself starts with --.
+
+        Quiet ranks: a line that several ranks print shows once, labelled with their ranks
+        ([ranks 0-3] ...), and a line a rank prints again (a warning every step) is not shown
+        again; at the end of the cell a summary lists those lines with how often each rank printed
+        them. Lines that differ per rank (losses) show per rank, in order. --all-output shows every
+        line; the group keeps them all (group.last_output, job.output); group.dedupe_output = False
+        turns folding off for every cell.
         """
         if cell is None:
             options, cell = split_statement(self.dist, line)
@@ -124,15 +149,16 @@ class DistMagics(NbdistMagics):
                                  f"%dist print(rank)\n{usage(self.dist)}")
         else:
             args = self.parse(self.dist, line)
-        if args.bg is not None:
+        if args.bg is not None and args.trace:
+            raise UsageError(f"--trace and --bg do not go together (a trace is shown when "
+                             f"the cell ends)\n{usage(self.dist)}")
+        with _all_output(self.group if args.all_output else None):
+            if args.bg is not None:
+                return self.run_in_background(cell, args.ranks, args.timeout, args.bg or None)
             if args.trace:
-                raise UsageError(f"--trace and --bg do not go together (a trace is shown when "
-                                 f"the cell ends)\n{usage(self.dist)}")
-            return self.run_in_background(cell, args.ranks, args.timeout, args.bg or None)
-        if args.trace:
-            self.run_traced(cell, args.ranks, args.timeout, args.quiet)
-        else:
-            self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
+                self.run_traced(cell, args.ranks, args.timeout, args.quiet)
+            else:
+                self.run_on_ranks(cell, args.ranks, args.timeout, args.quiet)
         return None
 
     def run_in_background(self, source: str, ranks: Optional[Sequence[int]] = None,
@@ -217,6 +243,8 @@ class DistMagics(NbdistMagics):
               help="comma-separated ranks, e.g. 0,2 (default: all)")
     @argument("--timeout", type=_seconds, metavar="S", help="deadline for each cell (s)")
     @argument("-q", "--quiet", action="store_true", help="don't show the per-rank values")
+    @argument("--all-output", action="store_true",
+              help="show every line the ranks print (repeated lines are folded by default)")
     def autodist(self, line: str = "") -> None:
         """Toggle running every cell on the ranks, as if each began with %%dist (and these options).
 
@@ -231,7 +259,7 @@ class DistMagics(NbdistMagics):
         check_ranks(args.ranks, self.group.world_size, "--ranks", self.autodist)  # now, not later
         options = [f"--ranks {','.join(map(str, args.ranks))}" if args.ranks else "",
                    f"--timeout {args.timeout:g}" if args.timeout else "",
-                   "--quiet" if args.quiet else ""]
+                   "--quiet" if args.quiet else "", "--all-output" if args.all_output else ""]
         self._autodist = " ".join(o for o in options if o)
         self.shell.input_transformers_cleanup.append(self._autodist_transform)
         print("nbdist: autodist on: every cell runs on the ranks; %autodist turns it off.")

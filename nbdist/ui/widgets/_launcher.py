@@ -11,7 +11,8 @@ from traitlets import Float, Instance, Int, TraitError, Unicode, observe, valida
 
 from ...backends import registered_backends, resolve_backend, resolve_device
 from ...errors import NbdistError
-from ...runtime.group import Group, current_group, start, use_group
+from ...runtime.api import start
+from ...runtime.group import Group, current_group, use_group
 from ...runtime.status import GroupStatus
 from ._common import Panel, backend_options, device_options, reasons_html
 
