@@ -14,7 +14,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import GroupBusyError
-from .calls import OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
+from .calls import INTERRUPTED, OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
 from .metrics import Metrics
 
 
@@ -72,7 +72,7 @@ class Job:
             return "running"
         if self._error is None:
             return "done"
-        return "interrupted" if self.call.outcome == "interrupted" else "failed"
+        return INTERRUPTED if self.call.outcome == INTERRUPTED else "failed"
 
     @property
     def elapsed(self) -> float:

@@ -307,6 +307,7 @@ except (OSError, AttributeError):  # pragma: no cover -- Windows
 def main(cfg: Dict[str, Any]) -> None:
     """Entry point of a local worker process (``cfg`` comes from :class:`nbdist.Group`)."""
     _sigint_ignored()  # before any thread starts: they all inherit the blocked SIGINT
+    getattr(os, "setpgid", lambda *_: None)(0, 0)  # the kernel's interrupt: via the lifeline only
     os.environ.clear()
     os.environ.update(cfg["env"])
     worker = _Worker(cfg)

@@ -100,3 +100,60 @@ def test_the_live_view_updates_in_place_and_leaves_the_final_figure():
     assert "done" in figures[0]["data"]["text/plain"]  # the final state stays
     assert cells["meanwhile"].outputs[0]["data"]["text/plain"] == "2"
     assert "redraws 1 done" in "".join(o.get("text", "") for o in cells["end"].outputs)
+
+
+def _stdout(client, code, timeout=60):
+    """Run ``code`` in the kernel; return (reply content, what it printed)."""
+    out = []
+
+    def hook(msg):
+        if msg["msg_type"] == "stream":
+            out.append(msg["content"]["text"])
+    reply = client.execute_interactive(code, timeout=timeout, output_hook=hook)
+    return reply["content"], "".join(out)
+
+
+@pytest.mark.timeout(240)
+def test_kernel_interrupt_with_a_job_running_stops_the_wait_not_the_job():
+    """The notebook's interrupt button (SIGINT to the kernel's process group) during
+    ``%dist_wait`` and while the kernel is idle: the job keeps running and keeps its metrics, the
+    ranks are not touched; then job.interrupt() ends it, the group is usable, and shutting the
+    kernel down leaves no process."""
+    import threading
+
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        reply, text = _stdout(client, CELLS["start"])
+        assert reply["status"] == "ok", reply
+        pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
+        reply, _ = _stdout(client, CELLS["train"])
+        assert reply["status"] == "ok", reply
+        timer = threading.Timer(3.0, manager.interrupt_kernel)
+        timer.start()
+        reply, text = _stdout(client, "%dist_wait -q train")
+        timer.join()
+        assert "nbdist: stopped waiting; job 'train' is still running" in text, (reply, text)
+        manager.interrupt_kernel()  # the kernel idle, the job running
+        time.sleep(1.0)
+        reply, text = _stdout(client, "n1 = len(train.metrics); time.sleep(1.0)\n"
+                                      "print(train.state, len(train.metrics) > n1 > 0)")
+        assert text.strip() == "running True", (reply, text)
+        reply, text = _stdout(client, "train.interrupt(); train.wait(30)\nprint(train.state)\n"
+                                      "if g.state == 'broken':\n    g.restart()\n"
+                                      "print(g.run(lambda: 'back'))")
+        assert "interrupted" in text and "['back', 'back']" in text, (reply, text)
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    deadline = time.monotonic() + 15
+    alive = pids
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.2)
+    assert alive == [], f"workers left after the kernel shut down: {alive}"
