@@ -94,6 +94,17 @@ class Metrics:
                 ys.append(value)
         return xs, ys
 
+    def split(self, window: int = 20) -> Dict[int, Tuple[float, float]]:
+        """``{rank: (compute_s, comm_s)}``: each rank's median over its last ``window`` steps of
+        what ``nbdist.step`` logged (empty when nothing was)."""
+        parts: Dict[Tuple[int, str], List[float]] = {}
+        for rank, _, name, value, _ in self.rows():
+            if name in ("compute_s", "comm_s"):
+                parts.setdefault((rank, name), []).append(value)
+        ranks = sorted({r for r, _ in parts})
+        return {r: tuple(percentile(parts.get((r, n), [0.0])[-window:], 50)
+                         for n in ("compute_s", "comm_s")) for r in ranks}
+
     def stragglers(self, window: int = 20, factor: float = 1.25) -> Dict[int, float]:
         """Ranks whose median ``compute_s`` over their last ``window`` steps is at least
         ``factor`` times the median over the ranks: ``{rank: ratio}`` (from ``nbdist.step``)."""

@@ -1,7 +1,9 @@
 """The live view of a background job: ``nbdist.ui.watch(job)`` / ``%dist_watch [NAME]``.
 
 It shows, under the cell that asked for it, a status line and an Interrupt button (ipywidgets) and
-a figure of every scalar the ranks log (one panel per scalar, a line per rank), redrawn in place at
+a figure: when the ranks time their steps with ``nbdist.step``, first each rank's step split into
+compute and communication (stacked bars, stragglers named), then every scalar the ranks log (one
+panel per scalar, a line per rank), redrawn in place at
 most every ``every`` seconds while the job runs -- from a thread of its own, so the notebook stays
 usable. The figure is a plain PNG output updated through its display id: when the job ends, the
 last one stays in the notebook as a static image, and a saved notebook shows the final state.
@@ -94,11 +96,15 @@ class Watch:
             return {"text/plain": text + "\n(nothing logged yet: nbdist.log on the ranks)"}
         from matplotlib.figure import Figure  # not pyplot: nothing for an inline backend to grab
 
-        from .plots.metrics import plot_metrics
+        from .plots.metrics import plot_metrics, plot_step_split
 
         names = self.job.metrics.names()
-        fig = Figure(figsize=(4.2 * len(names), 3.2))
-        plot_metrics(self.job.metrics, names, ax=list(fig.subplots(1, len(names), squeeze=False)[0]))
+        split = "compute_s" in names  # nbdist.step runs: the split per rank comes first
+        fig = Figure(figsize=(4.2 * (len(names) + split), 3.2))
+        axes = list(fig.subplots(1, len(names) + split, squeeze=False)[0])
+        if split:
+            plot_step_split(self.job.metrics, ax=axes.pop(0))
+        plot_metrics(self.job.metrics, names, ax=axes)
         fig.suptitle(self.job.describe(), fontsize="small")
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")

@@ -96,3 +96,27 @@ def test_the_table_is_bounded_older_rows_thinned_recent_ones_whole():
     keep = Metrics(max_rows=None)
     keep.add([(0, i, "x", i, 0.0) for i in range(5000)])
     assert len(keep) == 5000 and keep.dropped == 0
+
+
+def test_the_step_split_per_rank_and_its_panel():
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib.figure import Figure
+
+    from nbdist.ui.plots.metrics import plot_step_split
+
+    m = Metrics()
+    for i in range(40):  # rank 1's compute is 3x; the first 20 steps were all slower
+        slow = 10 if i < 20 else 1
+        m.add([(r, i, "compute_s", 0.01 * slow * (3 if r == 1 else 1), 0.0) for r in (0, 1, 2)])
+        m.add([(r, i, "comm_s", 0.005, 0.0) for r in (0, 1, 2)])
+    assert m.split() == {0: (0.01, 0.005), 1: (0.03, 0.005), 2: (0.01, 0.005)}
+    ax = plot_step_split(m, ax=Figure().subplots())
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
+    assert [t.get_text().strip() for t in ax.texts] == ["straggler (3.00x)"]
+    assert ax.get_title() == "step split, median of the last 20 steps"
+    with pytest.raises(ValueError, match="plot_step_split\\(\\) found no step times: wrap each "
+                                         "step in `with nbdist.step\\(i\\):` on the ranks"):
+        plot_step_split(_metrics())

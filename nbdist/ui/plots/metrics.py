@@ -50,3 +50,32 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> Lis
         axis.set_title(name + (" (thinned)" if thinned else ""))
         axis.legend(fontsize="small")
     return axes
+
+
+def plot_step_split(metrics, window: int = 20, ax=None):
+    """Each rank's step time split into compute and communication (median of its last ``window``
+    steps, from ``nbdist.step``), as stacked horizontal bars; stragglers are named on their bar.
+    Returns the Axes."""
+    split = metrics.split(window)
+    if not split:
+        raise ValueError("plot_step_split() found no step times: wrap each step in "
+                         "`with nbdist.step(i):` on the ranks")
+    if ax is None:
+        _, ax = plt.subplots(figsize=(4.2, 0.5 + 0.45 * len(split)))
+    ranks = sorted(split)
+    compute = [split[r][0] * 1e3 for r in ranks]
+    comm = [split[r][1] * 1e3 for r in ranks]
+    ax.barh(ranks, compute, color="tab:blue", label="compute")
+    ax.barh(ranks, comm, left=compute, color="tab:orange", label="communication")
+    slow = metrics.stragglers(window)
+    for r, x in slow.items():
+        ax.text(compute[ranks.index(r)] + comm[ranks.index(r)], r, f"  straggler ({x:.2f}x)",
+                va="center", fontsize="small", color="tab:red")
+    ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, 1.5 * max(c + m for c, m in zip(compute, comm)) or 1.0)  # room for the note
+    ax.set_xlabel("time per step (ms)")
+    ax.set_title(f"step split, median of the last {window} steps")
+    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
+              frameon=False)
+    return ax
