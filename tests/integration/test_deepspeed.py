@@ -226,3 +226,28 @@ def test_memory_in_bf16_matches_the_mixed_precision_formula(shared_group):
     for r in rep:  # 2Ψ params (bf16), 2Ψ grads, K=12: master + two moments, all fp32
         assert abs(r.diff) < 0.01, (r.strategy, r.model_state, r.estimate)
         assert not any("master copy" in n for n in r.notes)
+
+
+def test_doctor_says_what_deepspeed_would_pick_and_whether_a_compiler_is_there():
+    import os
+    import subprocess
+
+    env = dict(os.environ, PATH="/nonexistent")
+    env.pop("CXX", None)
+    out = subprocess.run([sys.executable, "-m", "nbdist", "doctor"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "DeepSpeed 0.19.8: picks accelerator 'cpu' and communication backend 'gloo'" in out.stdout
+    assert "C++ compiler for DeepSpeed's own ops: none ('c++' not found)" in out.stdout
+    env["DS_ACCELERATOR"] = "nonsense"
+    out = subprocess.run([sys.executable, "-c", "from nbdist.strategies.deepspeed import "
+                          "doctor_lines; print(doctor_lines()[0])"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert "installed, but importing it failed here (ValueError: DS_ACCELERATOR must be" in out.stdout
+
+
+def test_doctor_without_deepspeed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert strategies.deepspeed.doctor_lines() == [
+        "DeepSpeed: not installed (optional: pip install nbdist[deepspeed])"]
+    assert "deepspeed" not in sys.modules or sys.modules["deepspeed"] is None
