@@ -251,3 +251,25 @@ def test_doctor_without_deepspeed(monkeypatch):
     assert strategies.deepspeed.doctor_lines() == [
         "DeepSpeed: not installed (optional: pip install nbdist[deepspeed])"]
     assert "deepspeed" not in sys.modules or sys.modules["deepspeed"] is None
+
+
+def test_a_rank_that_already_picked_another_accelerator_is_told_to_restart(monkeypatch):
+    import deepspeed.accelerator
+
+    class Elsewhere:
+        def device_name(self):
+            return "xpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Elsewhere())
+    with pytest.raises(ValueError, match="DeepSpeed already uses the 'xpu' accelerator in this rank "
+                       r"\(it picks one when first imported\), but this run trains on 'cpu': "
+                       r"restart the group \(group.restart\(\)\)"):
+        strategies.deepspeed._import(torch.device("cpu"))
+
+
+def test_the_notebook_layer_takes_the_names_from_the_registry():
+    pytest.importorskip("IPython")
+    from nbdist.ui.magics.base import _strategy_list
+
+    assert _strategy_list("zero1,deepspeed_zero1,deepspeed_zero3") == [
+        "zero1", "deepspeed_zero1", "deepspeed_zero3"]
