@@ -1,7 +1,9 @@
 """Command line: ``python -m nbdist doctor | demo | bench | mem``.
 
 ``doctor`` prints what nbdist sees on this machine: torch version, devices, which backends are
-usable (and why not, for the others) and which one ``"auto"`` picks here. ``demo`` starts a small
+usable (and why not, for the others), which one ``"auto"`` picks here, and whether DeepSpeed is
+installed (which accelerator and communication backend it picks, whether a C++ compiler is there
+for its ops; asked in a subprocess, so nbdist itself never imports DeepSpeed). ``demo`` starts a small
 group, runs an all_reduce on it and prints the per-rank results.
 """
 from __future__ import annotations
@@ -33,6 +35,9 @@ def doctor() -> int:
                               else "gloo handles CPU tensors on every platform")
         env = f" (${backends.ENV_VAR} is set)" if __import__("os").environ.get(backends.ENV_VAR) else ""
         print(f"  auto picks {choice.backend!r} for {device}{env}: {why}")
+    from .strategies.deepspeed import doctor_lines
+
+    print("\n".join(doctor_lines()))
     return 0
 
 

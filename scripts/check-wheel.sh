@@ -141,7 +141,7 @@ import nbdist.ui.plots, nbdist.backends.shm, nbdist.backends.store, nbdist.runti
 
 prefix = os.path.realpath(os.environ["NBDIST_EXPECT_PREFIX"])
 assert os.path.realpath(nbdist.__file__).startswith(prefix), f"nbdist from {nbdist.__file__}, not the venv"
-OPTIONAL = {"lightning", "pytorch_lightning", "lightning_fabric", "fairscale", "pandas"}
+OPTIONAL = {"lightning", "pytorch_lightning", "lightning_fabric", "fairscale", "deepspeed", "pandas"}
 skipped = []
 for mod in pkgutil.walk_packages(nbdist.__path__, "nbdist."):
     if mod.name.endswith("__main__"):

@@ -5,7 +5,9 @@
 
 * ``params`` / ``grads`` / ``optimizer`` -- **exact**: unique storages reachable from the model's
   parameters, their ``.grad`` and the optimizer state (DTensors counted by their local shard), each
-  storage once, after the last step (grads, params and state all alive).
+  storage once, after the last step (grads, params and state all alive). Under DeepSpeed:
+  its parameter shards (stage 3), its gradient partitions (taken just before ``step()``, which
+  frees them) and its fp32 master partition, counted with the optimizer state.
 * ``other`` -- **exact for what Python sees**: every other tensor storage the process gained
   (gc walk): reduce buckets, unsharded parameters left over... C++-only buffers (DDP's reducer
   copy without ``gradient_as_bucket_view``) are invisible to it; the record's notes say so.

@@ -61,15 +61,29 @@ def _state_tensors(obj):
             yield from _state_tensors(v)
 
 
-def _walk(model: nn.Module, opt) -> List[Dict[tuple, int]]:
-    params = list(model.parameters())
-    opts = [opt] + [o for o in (getattr(opt, "optim", None),) if o is not None]  # ZeRO, OSS
+def _walk(model: nn.Module, opt, grads: Optional[Dict[tuple, int]] = None
+          ) -> List[Dict[tuple, int]]:
+    """Unique storages of params, grads, optimizer state; ``grads`` replaces the grads found
+    now (DeepSpeed frees its gradient partitions inside ``step()``: they are taken before it)."""
+    parts = _parts(opt)
+    if parts is not None:  # DeepSpeed: its partitions, the fp32 master one with the optimizer
+        groups = [parts["params"], parts["grads"], parts["master"] + parts["optimizer"]]
+    else:
+        params = list(model.parameters())
+        opts = [opt] + [o for o in (getattr(opt, "optim", None),) if o is not None]  # ZeRO, OSS
+        groups = [params, [p.grad for p in params if p.grad is not None],
+                  [t for o in opts for t in _state_tensors(list(o.state.values()))]]
     found: List[Dict[tuple, int]] = []
-    for tensors in (params, [p.grad for p in params if p.grad is not None],
-                    [t for o in opts for t in _state_tensors(list(o.state.values()))]):
+    for i, tensors in enumerate(groups):
         seen = {k for d in found for k in d}
-        found.append({k: v for k, v in _storages(tensors).items() if k not in seen})
+        now = grads if (i == 1 and grads is not None) else _storages(tensors)
+        found.append({k: v for k, v in now.items() if k not in seen})
     return found
+
+
+def _parts(opt) -> Optional[Dict[str, list]]:
+    """DeepSpeed's tensors by kind (:meth:`nbdist.strategies.DeepSpeedOptimizer.memory_parts`)."""
+    return opt.memory_parts() if callable(getattr(opt, "memory_parts", None)) else None
 
 
 def model_state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
@@ -125,7 +139,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
                                   **options)
     cuda = device.type == "cuda"
     peak = in_flight = live = 0
-    prof = known = None
+    prof = known = grads_at_step = None
     for step in range(steps):
         last = step == steps - 1
         if last:
@@ -138,13 +152,15 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
             ignore = set(known) | {_key(out)}
             in_flight = sum(v for k, v in _gc_storages().items() if k not in ignore)
         out.float().pow(2).mean().backward()
+        if last and _parts(opt) is not None:  # DeepSpeed frees its gradient partitions in step()
+            grads_at_step = _storages(_parts(opt)["grads"])
         opt.step()
         if last:
             peak = _stop_peak(device, prof, live)
-    params, grads, state = _walk(model, opt)
+    params, grads, state = _walk(model, opt, grads_at_step)
     ignore = set(base) | set(params) | set(grads) | set(state) | {_key(x), _key(out)}
     other = sum(v for k, v in _gc_storages().items() if k not in ignore)
-    notes = _rank_notes(model, grads)
+    notes = _rank_notes(model, grads) + _deepspeed_notes(opt, precision, sum(grads.values()))
     del model, opt, out, x, known, prof
     rss = _trim_and_rss()
     src = ("exact (CUDA caching allocator, max_memory_allocated)" if cuda else
@@ -181,6 +197,30 @@ def _rank_notes(model: nn.Module, grads: Dict[tuple, int]) -> List[str]:
                      f"{human_bytes(foreign)} of this rank's {human_bytes(sum(grads.values()))} "
                      "of grads (ZeRO-2 counts only its own 1/N). reduce_buffer_size=0 frees them "
                      "after each reduce and matches ZeRO-2, at one reduce per parameter")
+    return notes
+
+
+def _deepspeed_notes(opt, precision: str, grads: int) -> List[str]:
+    """What DeepSpeed holds beyond the ZeRO formula: the fp32 master partition, buckets."""
+    parts = _parts(opt)
+    if parts is None:
+        return []
+    notes = []
+    master = sum(_storages(parts["master"]).values())
+    if precision == "fp32" and master:
+        notes.append(f"DeepSpeed keeps an fp32 master copy of this rank's partition "
+                     f"({human_bytes(master)}, in optim) next to the fp32 parameters: the "
+                     "optimizer steps the copy and all-gathers it back into the parameters. The "
+                     "fp32 formula has no master copy (K=8), so optim is 4Ψ/N above it")
+    engine = getattr(opt, "engine", None)
+    if engine is not None and engine.zero_optimization_stage() == 1 and grads:
+        notes.append(f"DeepSpeed's stage 1 also keeps only this rank's gradient partition at the "
+                     f"step ({human_bytes(grads)} in grads; ZeRO-1 counts all gradients): the "
+                     "full gradients live from backward until its epilogue reduces them")
+    buckets = sum(_storages(parts["buckets"]).values())
+    if buckets:
+        notes.append(f"DeepSpeed's stage-3 reduce bucket ({human_bytes(buckets)}: "
+                     "reduce_bucket_size elements, kept between steps) is in other")
     return notes
 
 

@@ -13,6 +13,9 @@ one-line description and the ZeRO stage whose memory formula it follows
     fairscale_oss      DDP + fairscale OSS                       (legacy path)  ZeRO-1
     fairscale_sharded  fairscale OSS + ShardedDataParallel       (legacy path)  ZeRO-2
     fairscale_fsdp     fairscale FullyShardedDataParallel (CUDA) (legacy path)  ZeRO-3
+    deepspeed_zero1    DeepSpeed ZeRO stage 1 (optimizer state)                 ZeRO-1
+    deepspeed_zero2    DeepSpeed ZeRO stage 2 (grads + optimizer state)         ZeRO-2
+    deepspeed_zero3    DeepSpeed ZeRO stage 3 (params, grads, state)            ZeRO-3
 
 ``optimizer_fn`` builds the optimizer from parameters: an optimizer class (``torch.optim.Adam``), a
 ``functools.partial(torch.optim.AdamW, lr=1e-3)`` or any ``params -> Optimizer`` callable. Extra
@@ -23,19 +26,25 @@ FSDP); strategies without one refuse it -- use ``torch.autocast`` in the step in
 FSDP1 and FSDP2 make each module that owns parameters its own FSDP unit (then the root), so one
 layer at a time is unsharded; pass ``auto_wrap_policy=`` (FSDP1) to choose otherwise.
 
+The DeepSpeed strategies return ``(engine, optimizer)``: options go into the DeepSpeed config
+(nested dicts merge), ``precision="bf16-mixed"`` is DeepSpeed's bf16; see
+:mod:`nbdist.strategies.deepspeed` for the notebook defaults and what nbdist does around
+``deepspeed.initialize`` (DeepSpeed is an optional extra: ``pip install nbdist[deepspeed]``).
+
 fairscale is an optional extra (``pip install nbdist[fairscale]``) and unmaintained upstream: its
 strategies are the legacy path, kept to compare with and to run older code; prefer the torch ones.
 Register your own with :func:`register_strategy`.
 """
 from __future__ import annotations
 
-from . import fairscale, native
+from . import deepspeed, fairscale, native
+from .deepspeed import DEEPSPEED_HINT, DeepSpeedOptimizer
 from .fairscale import FAIRSCALE_HINT
 from .native import full_parameters
 from .registry import (PRECISIONS, Strategy, available_strategies, default_device, get_strategy,
                        register_strategy, wrap)
 
-__all__ = ["FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
+__all__ = ["DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
            "full_parameters", "get_strategy", "register_strategy", "wrap"]
 
 register_strategy("ddp", native._wrap_ddp, "torch DistributedDataParallel, gradient_as_bucket_view=True; "
@@ -56,3 +65,12 @@ register_strategy("fairscale_sharded", fairscale._wrap_fairscale_sharded, "legac
 register_strategy("fairscale_fsdp", fairscale._wrap_fairscale_fsdp, "legacy: fairscale "
                   "FullyShardedDataParallel ~ ZeRO-3, CUDA only (options -> its FSDP)", 3,
                   mixed_precision=True, legacy=True, check=fairscale.require)
+register_strategy("deepspeed_zero1", deepspeed.wrap_zero1, "DeepSpeed ZeRO stage 1: optimizer "
+                  "state partitioned (options -> the DeepSpeed config)", 1, mixed_precision=True,
+                  check=deepspeed.require)
+register_strategy("deepspeed_zero2", deepspeed.wrap_zero2, "DeepSpeed ZeRO stage 2: grads and "
+                  "optimizer state partitioned (options -> the DeepSpeed config)", 2,
+                  mixed_precision=True, check=deepspeed.require)
+register_strategy("deepspeed_zero3", deepspeed.wrap_zero3, "DeepSpeed ZeRO stage 3: params, grads "
+                  "and optimizer state partitioned (options -> the DeepSpeed config)", 3,
+                  mixed_precision=True, check=deepspeed.require)

@@ -91,6 +91,10 @@ def full_parameters(model: nn.Module) -> Dict[str, torch.Tensor]:
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.tensor import DTensor
 
+    from . import deepspeed
+
+    if deepspeed.is_engine(model):  # stage 3 partitions gathered
+        return deepspeed.full_parameters(model)
     if isinstance(model, FSDP):
         with FSDP.summon_full_params(model, writeback=False):
             return _clean(dict(model.named_parameters()))

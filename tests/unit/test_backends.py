@@ -107,6 +107,19 @@ def test_core_imports_no_ui_libraries():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+def test_import_nbdist_never_imports_the_optional_extras():
+    """DeepSpeed picks its accelerator when imported and takes ~0.5 s: only wrap() loads it."""
+    import subprocess
+
+    code = ("import sys, nbdist, nbdist.strategies, nbdist.memory, nbdist.bench\n"
+            "from nbdist.strategies import deepspeed, fairscale\n"
+            "bad = [m for m in ('deepspeed', 'fairscale', 'lightning', 'pytorch_lightning') "
+            "if m in sys.modules]\n"
+            "print(bad); sys.exit(1 if bad else 0)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
 def test_nbdist_shm_is_registered_by_default_and_refused_off_linux_x86(monkeypatch):
     assert nbdist.resolve_backend("nbdist_shm", "cpu").backend == "nbdist_shm"
     monkeypatch.setattr(backends.platform, "machine", lambda: "arm64")

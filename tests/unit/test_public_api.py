@@ -34,7 +34,8 @@ API = {
         "mlp", "model_spec", "parse_count", "unit_for",
     ],
     "nbdist.strategies": [
-        "FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
+        "DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy",
+        "available_strategies", "default_device",
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
     "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
@@ -43,7 +44,7 @@ API = {
                   "memory_panel", "watch"],
 }
 CONSTANTS = {"ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
-             "PRECISIONS"}
+             "DEEPSPEED_HINT", "PRECISIONS"}
 
 
 @pytest.mark.parametrize("module", sorted(API))

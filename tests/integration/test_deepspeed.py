@@ -1,0 +1,275 @@
+"""DeepSpeed ZeRO 1-3 on real ranks (2, gloo, CPU): training, errors, memory (issue 18)."""
+import functools
+import sys
+
+import cloudpickle
+import psutil
+import pytest
+import torch
+
+import nbdist
+from nbdist import memory, strategies
+
+pytest.importorskip("deepspeed")
+pytestmark = pytest.mark.timeout(180)
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this file
+
+STAGES = ["deepspeed_zero1", "deepspeed_zero2", "deepspeed_zero3"]
+WIDTH = 64
+PSI = 2 * (WIDTH * WIDTH + WIDTH)  # mlp(2, 64): 8,320 parameters in 4 tensors
+SMALL = functools.partial(memory.mlp, 2, WIDTH)
+
+
+def train(name, precision="fp32", steps=4, **options):
+    """The usual loop on this rank's half of a batch; compare with full-batch training."""
+    import copy
+
+    import torch.distributed as dist
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    reference = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 8, generator=gen)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    xs, ys = x.chunk(world)[rank], y.chunk(world)[rank]
+    optimizer_fn = functools.partial(torch.optim.Adam, lr=1e-2)
+    engine, opt = strategies.wrap(name, model, optimizer_fn, precision=precision, **options)
+    ref_opt = optimizer_fn(reference.parameters())
+    losses, ref_losses, out = [], [], None
+    for _ in range(steps):
+        opt.zero_grad()
+        out = engine(xs)
+        loss = torch.nn.functional.mse_loss(out.float(), ys)
+        loss.backward()  # not engine.backward: the engine's output hooks run its epilogue
+        opt.step()
+        losses.append(loss.item())
+        ref_opt.zero_grad()
+        ref_loss = torch.nn.functional.mse_loss(reference(x), y)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_losses.append(ref_loss.item())
+    full = strategies.full_parameters(engine)
+    expected = dict(reference.named_parameters())
+    shards = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]
+    both = torch.tensor(losses) * xs.shape[0]  # the whole batch's loss from the two halves
+    dist.all_reduce(both)
+    return dict(losses=losses, whole=(both / x.shape[0]).tolist(), ref_losses=ref_losses,
+                names=sorted(full), expected_names=sorted(expected),
+                shapes=[tuple(full[k].shape) for k in sorted(expected)],
+                expected_shapes=[tuple(expected[k].shape) for k in sorted(expected)],
+                error=max((full[k] - expected[k]).abs().max().item() for k in expected),
+                local_numel=sum(p.numel() for p in shards),
+                total=sum(p.numel() for p in expected.values()), out_dtype=out.dtype,
+                engine=type(engine).__name__, optimizer=repr(opt))
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_each_stage_trains_like_one_process(shared_group, name):
+    out = shared_group.run(train, name)
+    stage = int(name[-1])
+    for rank in out:
+        assert rank["engine"] == "DeepSpeedEngine"
+        assert rank["optimizer"] == f"DeepSpeedOptimizer(ZeRO stage {stage}, Adam)"
+        assert rank["names"] == rank["expected_names"]
+        assert rank["shapes"] == rank["expected_shapes"]  # stage 3: gathered, not (0,)
+        assert rank["error"] < 1e-5  # same weights as full-batch training, on every rank
+        assert rank["whole"] == pytest.approx(rank["ref_losses"], abs=1e-5)
+        assert rank["out_dtype"] == torch.float32
+    if stage == 3:  # each rank holds half of the parameters
+        assert [r["local_numel"] * 2 for r in out] == [out[0]["total"]] * 2
+    else:
+        assert out[0]["local_numel"] == out[0]["total"]
+
+
+@pytest.mark.parametrize("name", STAGES)
+def test_bf16_mixed_is_deepspeed_bf16(shared_group, name):
+    for rank in shared_group.run(train, name, "bf16-mixed"):
+        assert rank["out_dtype"] == torch.bfloat16  # inputs cast, the forward ran in bf16
+        assert rank["losses"][-1] < rank["losses"][0]
+        assert 0 < rank["error"] < 1e-2  # fp32 master partitions, close to the fp32 run
+
+
+def schedule():
+    engine, opt = strategies.wrap("deepspeed_zero2", torch.nn.Linear(4, 4),
+                                  functools.partial(torch.optim.SGD, lr=0.1))
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    for _ in range(2):
+        opt.zero_grad()
+        engine(torch.randn(2, 4)).sum().backward()
+        opt.step()
+        sched.step()
+    with pytest.raises(ValueError, match="DeepSpeed's step takes no closure"):
+        opt.step(lambda: 0.0)
+    return [g["lr"] for g in opt.param_groups], len(opt.state_dict()) > 0
+
+
+def test_the_optimizer_works_with_torch_lr_schedulers(shared_group):
+    assert shared_group.run(schedule) == [([0.025], True)] * 2
+
+
+@pytest.mark.parametrize("options,text", [
+    (dict(fp16={"enabled": True}), "fp16 does not work here: DeepSpeed's cpu accelerator has no "
+     "fp16 support. Use precision='bf16-mixed' instead"),
+    (dict(zero_optimization={"stage": 3}), "the strategy is DeepSpeed ZeRO stage 1, but the "
+     "options ask for zero_optimization.stage=3: use the strategy 'deepspeed_zero3'"),
+    (dict(reduce_bucket_size=1000), "reduce_bucket_size belong(s) in DeepSpeed's "
+     "zero_optimization section: pass zero_optimization={'reduce_bucket_size': ...} to wrap()"),
+    (dict(zero_optimization={"reduce_bucket_siz": 1000}), "DeepSpeed refused the configuration "
+     "built from wrap()'s options: 1 validation error for DeepSpeedZeroConfig"),
+    (dict(bf16={"enabled": True}), "precision='fp32' and the options' bf16/fp16 sections "
+     "disagree: say bf16 with precision='bf16-mixed'"),
+])
+def test_bad_configs_fail_before_anything_runs_and_the_group_stays_usable(shared_group, options,
+                                                                         text):
+    with pytest.raises(nbdist.RemoteError) as info:
+        shared_group.run(train, "deepspeed_zero1", **options)
+    assert text in str(info.value) and "on ranks 0, 1" in str(info.value)
+    assert all(r["error"] < 1e-5 for r in shared_group.run(train, "deepspeed_zero1", steps=1))
+
+
+def test_missing_deepspeed_names_the_extra(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
+    with pytest.raises(ImportError) as info:
+        strategies.wrap("deepspeed_zero2", torch.nn.Linear(2, 2), torch.optim.SGD)
+    assert "pip install nbdist[deepspeed]" in str(info.value)
+
+
+def without_compiler():
+    import shutil
+
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    found = [shutil.which(c) for c in ("c++", "g++", "gcc", "cc")]
+    result = train("deepspeed_zero2", steps=2)
+    return found, deepspeed.ops.__compatible_ops__.get(builder.NAME), result["error"]
+
+
+def test_a_machine_without_a_compiler_still_trains():
+    env = {"PATH": "/nonexistent", "CXX": "/nonexistent/c++", "CC": "/nonexistent/cc"}
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, env=env) as g:
+        for found, would_build, error in g.run(without_compiler):
+            assert found == [None] * 4  # no compiler on the ranks' PATH
+            assert would_build  # DeepSpeed would have tried to JIT-build its shm op here
+            assert error < 1e-5
+
+
+def stage3_run():
+    import os
+
+    engine, opt = strategies.wrap("deepspeed_zero3", torch.nn.Linear(8, 8),
+                                  functools.partial(torch.optim.Adam, lr=1e-2))
+    for _ in range(2):
+        opt.zero_grad()
+        engine(torch.randn(4, 8)).pow(2).mean().backward()
+        opt.step()
+    return os.getpid()
+
+
+CYCLES = 5  # ~4.7 s each here (fresh ranks import torch._dynamo and DeepSpeed): 20 take ~95 s
+
+
+def test_repeated_stage3_runs_then_stop_leave_no_process_and_no_abort():
+    lines = []
+    for _ in range(CYCLES):
+        with nbdist.start(2, backend="gloo", device="cpu", timeout=60,
+                          output=lambda rank, stream, text: lines.append(text)) as g:
+            pids = g.run(stage3_run)
+        assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                       for p in pids)
+    assert not [line for line in lines if "terminate called" in line or "Abort" in line]
+
+
+@pytest.fixture(scope="module")
+def report(shared_group):
+    return memory.measure(shared_group, SMALL, STAGES, optimizer="adam", steps=2, batch=8)
+
+
+def by(report, name):
+    recs = [r for r in report if r.strategy == name]
+    assert [r.rank for r in recs] == [0, 1]
+    return recs
+
+
+def test_memory_reads_deepspeeds_partitions_to_the_byte(report):
+    step = 4  # Adam's float32 step counter, one per (flat) tensor it owns
+    for name, params in (("deepspeed_zero1", 4 * PSI), ("deepspeed_zero2", 4 * PSI),
+                         ("deepspeed_zero3", 2 * PSI)):
+        for r in by(report, name):
+            # grads: this rank's partition at the step; optim: the fp32 master partition (2Ψ
+            # bytes) + Adam's two moments on it (4Ψ) + the step counter
+            assert (r.params, r.grads, r.optimizer) == (params, 2 * PSI, 6 * PSI + step), name
+            assert r.estimate == memory.estimate(PSI, 2, name).total
+
+
+def test_memory_says_where_deepspeed_holds_more_than_the_formula(report):
+    for name in STAGES:
+        for r in by(report, name):
+            assert any(n.startswith("DeepSpeed keeps an fp32 master copy of this rank's "
+                                    "partition (16.6 KB, in optim)") for n in r.notes), r.notes
+    for r in by(report, "deepspeed_zero1"):  # master +2Ψ, grads -2Ψ: the formula's total
+        assert r.diff == pytest.approx(0, abs=1e-3)
+        assert any("stage 1 also keeps only this rank's gradient partition" in n for n in r.notes)
+    for r in by(report, "deepspeed_zero3"):  # the bucket: max(largest parameter, Ψ/4) elements
+        assert r.other >= 4 * WIDTH * WIDTH
+        assert any("reduce bucket (16.4 KB" in n for n in r.notes)
+        assert any("differs from the ZeRO-3 formula by +25.0%" in n for n in r.notes)
+    table = report.table()
+    assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
+
+
+def test_memory_in_bf16_matches_the_mixed_precision_formula(shared_group):
+    rep = memory.measure(shared_group, SMALL, ["deepspeed_zero2", "deepspeed_zero3"],
+                         precision="bf16-mixed")
+    for r in rep:  # 2Ψ params (bf16), 2Ψ grads, K=12: master + two moments, all fp32
+        assert abs(r.diff) < 0.01, (r.strategy, r.model_state, r.estimate)
+        assert not any("master copy" in n for n in r.notes)
+
+
+def test_doctor_says_what_deepspeed_would_pick_and_whether_a_compiler_is_there():
+    import os
+    import subprocess
+
+    env = dict(os.environ, PATH="/nonexistent")
+    env.pop("CXX", None)
+    out = subprocess.run([sys.executable, "-m", "nbdist", "doctor"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "DeepSpeed 0.19.8: picks accelerator 'cpu' and communication backend 'gloo'" in out.stdout
+    assert "C++ compiler for DeepSpeed's own ops: none ('c++' not found)" in out.stdout
+    env["DS_ACCELERATOR"] = "nonsense"
+    out = subprocess.run([sys.executable, "-c", "from nbdist.strategies.deepspeed import "
+                          "doctor_lines; print(doctor_lines()[0])"], capture_output=True,
+                         text=True, timeout=120, env=env)
+    assert "installed, but importing it failed here (ValueError: DS_ACCELERATOR must be" in out.stdout
+
+
+def test_doctor_without_deepspeed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "deepspeed", None)
+    assert strategies.deepspeed.doctor_lines() == [
+        "DeepSpeed: not installed (optional: pip install nbdist[deepspeed])"]
+    assert "deepspeed" not in sys.modules or sys.modules["deepspeed"] is None
+
+
+def test_a_rank_that_already_picked_another_accelerator_is_told_to_restart(monkeypatch):
+    import deepspeed.accelerator
+
+    class Elsewhere:
+        def device_name(self):
+            return "xpu"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Elsewhere())
+    with pytest.raises(ValueError, match="DeepSpeed already uses the 'xpu' accelerator in this rank "
+                       r"\(it picks one when first imported\), but this run trains on 'cpu': "
+                       r"restart the group \(group.restart\(\)\)"):
+        strategies.deepspeed._import(torch.device("cpu"))
+
+
+def test_the_notebook_layer_takes_the_names_from_the_registry():
+    pytest.importorskip("IPython")
+    from nbdist.ui.magics.base import _strategy_list
+
+    assert _strategy_list("zero1,deepspeed_zero1,deepspeed_zero3") == [
+        "zero1", "deepspeed_zero1", "deepspeed_zero3"]
