@@ -17,9 +17,18 @@ import contextvars
 import html
 import io
 import threading
+import weakref
 from typing import Optional
 
 MIN_EVERY = 0.5  #: the view never redraws more often than this (seconds)
+_views: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # job -> its live views
+
+
+def finish_views(job, timeout: float = 30.0) -> None:
+    """Wait until every live view of ``job`` (which has ended) has drawn its final figure:
+    ``%dist_wait`` calls it, so the figure a saved notebook keeps is the job's last state."""
+    for view in list(_views.get(job, ())):
+        view.join(timeout)
 
 
 class Watch:
@@ -56,6 +65,7 @@ class Watch:
         self._context = contextvars.copy_context()
         self._thread = threading.Thread(target=self._loop, name=f"nbdist-watch-{self.job.name}",
                                         daemon=True)
+        _views.setdefault(self.job, weakref.WeakSet()).add(self)
         self._thread.start()
         return self
 

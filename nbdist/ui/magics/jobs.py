@@ -12,6 +12,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
 from ...runtime.jobs import Job
+from ..live import finish_views
 from .base import JOBS, NbdistMagics, job_name, register_magics, usage  # noqa: F401
 
 def find_job(name: Optional[str]) -> Job:
@@ -61,6 +62,7 @@ class JobMagics(NbdistMagics):
             print(f"nbdist: stopped waiting; job {job.name!r} is still running "
                   f"(job.interrupt() stops it).")
             return None
+        finish_views(job)  # each live view of the job draws its final figure first
         values = job.result()
         if not args.quiet:
             show = self.shell.display_formatter.format
