@@ -62,3 +62,13 @@ def mesh_ranks(mesh) -> Dict[str, list]:
     talks to, as torch built it)."""
     return {name: sorted(dist.get_process_group_ranks(mesh.get_group(name)))
             for name in mesh.mesh_dim_names}
+
+
+def doctor_lines() -> list:
+    """What ``python -m nbdist doctor`` says about parallelism beyond data parallel here."""
+    devices = "cpu (gloo)" + (", cuda (nccl)" if torch.cuda.is_available() else "")
+    return [f"parallelism: device meshes, tensor + sequence parallel (tp), fsdp2+tp, hsdp on "
+            f"{devices}",
+            f"  context parallel: not offered (torch {torch.__version__.split('+')[0]} has no CPU "
+            "sharding strategy for scaled-dot-product attention, so context_parallel does not "
+            "run on CPU)"]

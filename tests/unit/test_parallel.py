@@ -221,3 +221,10 @@ def test_tensor_parallel_refuses_a_plan_and_sequence_parallel_together():
                                          "plan= given, put SequenceParallel"):
         parallel.tensor_parallel(nn.Linear(2, 2), None, {"": ColwiseParallel()},
                                  sequence_parallel=True)
+
+
+def test_doctor_says_context_parallel_is_not_offered():
+    lines = parallel.meshes.doctor_lines()
+    assert lines[0].startswith("parallelism: device meshes, tensor + sequence parallel (tp), "
+                               "fsdp2+tp, hsdp on cpu (gloo)")
+    assert "context parallel: not offered" in lines[1] and "does not run on CPU" in lines[1]
