@@ -39,7 +39,6 @@ work inside any model; the block's forward takes the activations as its one posi
 """
 from __future__ import annotations
 
-from fnmatch import fnmatch
 from typing import Dict, List, Optional, Tuple
 
 from torch import nn
