@@ -3,7 +3,8 @@
 ``doctor`` prints what nbdist sees on this machine: torch version, devices, which backends are
 usable (and why not, for the others), which one ``"auto"`` picks here, and whether DeepSpeed is
 installed (which accelerator and communication backend it picks, whether a C++ compiler is there
-for its ops; asked in a subprocess, so nbdist itself never imports DeepSpeed). ``demo`` starts a small
+for its ops; asked in a subprocess, so nbdist itself never imports DeepSpeed), and which
+parallelism beyond data parallel runs here (context parallel does not, on CPU). ``demo`` starts a small
 group, runs an all_reduce on it and prints the per-rank results.
 """
 from __future__ import annotations
@@ -38,6 +39,9 @@ def doctor() -> int:
     from .strategies.deepspeed import doctor_lines
 
     print("\n".join(doctor_lines()))
+    from .parallel.meshes import doctor_lines as parallel_lines
+
+    print("\n".join(parallel_lines()))
     return 0
 
 

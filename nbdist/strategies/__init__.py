@@ -16,6 +16,9 @@ one-line description and the ZeRO stage whose memory formula it follows
     deepspeed_zero1    DeepSpeed ZeRO stage 1 (optimizer state)                 ZeRO-1
     deepspeed_zero2    DeepSpeed ZeRO stage 2 (grads + optimizer state)         ZeRO-2
     deepspeed_zero3    DeepSpeed ZeRO stage 3 (params, grads, state)            ZeRO-3
+    tp                 tensor parallel over all ranks (nbdist.parallel plans)   ZeRO-3 (N = tp)
+    fsdp2+tp           2-D: FSDP2 over dp x tensor parallel over tp             ZeRO-3 (N = dp x tp)
+    hsdp               FSDP2 hybrid: replicas of dp_shard-sized sharded groups  ZeRO-3 (N = dp_shard)
 
 ``optimizer_fn`` builds the optimizer from parameters: an optimizer class (``torch.optim.Adam``), a
 ``functools.partial(torch.optim.AdamW, lr=1e-3)`` or any ``params -> Optimizer`` callable. Extra
@@ -31,13 +34,17 @@ The DeepSpeed strategies return ``(engine, optimizer)``: options go into the Dee
 :mod:`nbdist.strategies.deepspeed` for the notebook defaults and what nbdist does around
 ``deepspeed.initialize`` (DeepSpeed is an optional extra: ``pip install nbdist[deepspeed]``).
 
+The mesh strategies ``tp``, ``fsdp2+tp`` and ``hsdp`` (:mod:`nbdist.strategies.meshed`) build a
+named device mesh and tensor-parallel plans with :mod:`nbdist.parallel`: options ``tp=``,
+``plan=``, ``sequence_parallel=``, ``dp_shard=``; an unknown option is refused by name.
+
 fairscale is an optional extra (``pip install nbdist[fairscale]``) and unmaintained upstream: its
 strategies are the legacy path, kept to compare with and to run older code; prefer the torch ones.
 Register your own with :func:`register_strategy`.
 """
 from __future__ import annotations
 
-from . import deepspeed, fairscale, native
+from . import deepspeed, fairscale, meshed, native
 from .deepspeed import DEEPSPEED_HINT, DeepSpeedOptimizer
 from .fairscale import FAIRSCALE_HINT
 from .native import full_parameters
@@ -74,3 +81,12 @@ register_strategy("deepspeed_zero2", deepspeed.wrap_zero2, "DeepSpeed ZeRO stage
 register_strategy("deepspeed_zero3", deepspeed.wrap_zero3, "DeepSpeed ZeRO stage 3: params, grads "
                   "and optimizer state partitioned (options -> the DeepSpeed config)", 3,
                   mixed_precision=True, check=deepspeed.require)
+register_strategy("tp", meshed.wrap_tp, "tensor parallel over all ranks: Colwise/Rowwise layer "
+                  "pairs from nbdist.parallel.auto_plan or plan= (options: plan, "
+                  "sequence_parallel); every rank gets the same batch", 3)
+register_strategy("fsdp2+tp", meshed.wrap_fsdp2_tp, "2-D mesh: tensor parallel over tp ranks, FSDP2 "
+                  "over dp (options: tp (default 2), plan, sequence_parallel, fully_shard's)", 3,
+                  mixed_precision=True)
+register_strategy("hsdp", meshed.wrap_hsdp, "FSDP2 hybrid sharding: parameters sharded in groups of "
+                  "dp_shard ranks (default half the world), replicated across them (options: "
+                  "dp_shard, fully_shard's)", 3, mixed_precision=True)

@@ -38,12 +38,16 @@ API = {
         "available_strategies", "default_device",
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
+    "nbdist.parallel": [
+        "DIMS", "MeshLayout", "TransformerBlock", "auto_plan", "check_plan", "describe",
+        "device_mesh", "factorizations", "mesh_ranks", "tensor_parallel",
+    ],
     "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
                          "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
                   "memory_panel", "watch"],
 }
-CONSTANTS = {"ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
+CONSTANTS = {"DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
              "DEEPSPEED_HINT", "PRECISIONS"}
 
 
@@ -71,7 +75,8 @@ def test_every_public_name_has_a_docstring(module):
 def test_dir_shows_the_api_and_the_documented_subpackages_only():
     shown = set(dir(nbdist))
     assert set(nbdist.__all__) <= shown
-    assert {"backends", "bench", "errors", "lightning", "memory", "strategies", "ui"} <= shown
+    assert {"backends", "bench", "errors", "lightning", "memory", "parallel", "strategies",
+            "ui"} <= shown
     internal = {"runtime", "wire", "report", "group", "launcher", "worker", "transport",
                 "serialize", "dispatch", "output", "shmpool", "accounting", "status"}
     assert not shown & internal
