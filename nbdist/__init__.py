@@ -52,7 +52,8 @@ __all__ = sorted([
 
 #: The documented subpackages: ``nbdist.memory.measure(...)`` works without importing them first;
 #: each loads on first use (``import nbdist`` stays light).
-SUBPACKAGES = ("backends", "bench", "errors", "lightning", "memory", "strategies", "ui")
+SUBPACKAGES = ("backends", "bench", "errors", "lightning", "memory", "parallel", "strategies",
+               "ui")
 
 #: Modules that moved when nbdist grew packages, still importable under the path the docs gave
 #: them (``python -m nbdist.worker``, ``"nbdist.store_backend:create"``, ``import nbdist.shm``).

@@ -33,6 +33,7 @@ API = {
         "count_params", "estimate", "estimate_curve", "estimate_table", "human_bytes", "measure",
         "mlp", "model_spec", "parse_count", "unit_for",
     ],
+    "nbdist.parallel": ["Pipeline", "SCHEDULES", "Timeline", "pipeline"],
     "nbdist.strategies": [
         "DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy",
         "available_strategies", "default_device",
@@ -44,7 +45,7 @@ API = {
                   "memory_panel", "watch"],
 }
 CONSTANTS = {"ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
-             "DEEPSPEED_HINT", "PRECISIONS"}
+             "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}
 
 
 @pytest.mark.parametrize("module", sorted(API))
