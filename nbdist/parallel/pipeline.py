@@ -61,16 +61,8 @@ def plan(num_layers: int, ranks: int, schedule: str = "1f1b", microbatches: int 
     Checks everything that can be checked before a rank runs anything (the same on every rank):
     the schedule's name, the number of microbatches it needs, the split points, enough layers.
     """
-    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
-        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: "
-                         f"{', '.join(SCHEDULES)}")
-    schedule = schedule.lower()
+    schedule, per_rank = _stages_per_rank(schedule, stages_per_rank)
     _check_int("microbatches", microbatches)
-    per_rank = 2 if stages_per_rank is None and schedule in _MULTI else (stages_per_rank or 1)
-    _check_int("stages_per_rank", per_rank)
-    if per_rank > 1 and schedule not in _MULTI:
-        raise ValueError(f"schedule {schedule!r} runs one stage per rank, got stages_per_rank="
-                         f"{per_rank}; use schedule='interleaved1f1b' for several")
     stages = ranks * per_rank
     if schedule == "1f1b" and microbatches < stages:
         raise ValueError(f"schedule '1f1b' needs at least as many microbatches as stages "
@@ -103,6 +95,20 @@ def plan(num_layers: int, ranks: int, schedule: str = "1f1b", microbatches: int 
                              f"{num_layers - 1} (e.g. split={_even_points(num_layers, stages)})")
         bounds = [0] + points + [num_layers]
     return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _stages_per_rank(schedule: str, stages_per_rank: Optional[int]) -> Tuple[str, int]:
+    """The schedule's name (checked, lower case) and how many stages each rank runs."""
+    if not isinstance(schedule, str) or schedule.lower() not in SCHEDULES:
+        raise ValueError(f"unknown pipeline schedule {schedule!r}; valid schedules: "
+                         f"{', '.join(SCHEDULES)}")
+    schedule = schedule.lower()
+    per_rank = 2 if stages_per_rank is None and schedule in _MULTI else (stages_per_rank or 1)
+    _check_int("stages_per_rank", per_rank)
+    if per_rank > 1 and schedule not in _MULTI:
+        raise ValueError(f"schedule {schedule!r} runs one stage per rank, got stages_per_rank="
+                         f"{per_rank}; use schedule='interleaved1f1b' for several")
+    return schedule, per_rank
 
 
 def _even_points(num_layers: int, stages: int) -> List[int]:
@@ -282,19 +288,19 @@ def pipeline(model: Union[nn.Sequential, Sequence[nn.Module]], schedule: str = "
                              "one module per stage")
         if not all(isinstance(m, nn.Module) for m in model):
             raise TypeError("a model given as a list must hold one nn.Module per stage")
-        bounds = plan(len(model), ranks, schedule, microbatches, None, stages_per_rank)
-        if len(bounds) != len(model):
-            raise ValueError(f"{len(model)} stage modules for {len(bounds)} stages ({ranks} "
+        stages = ranks * _stages_per_rank(schedule, stages_per_rank)[1]
+        if len(model) != stages:
+            raise ValueError(f"{len(model)} stage modules for {stages} stages ({ranks} "
                              f"ranks): pass one module per stage")
+        bounds = plan(len(model), ranks, schedule, microbatches, None, stages_per_rank)
         cut = list(model)
     elif isinstance(model, nn.Sequential):
         layers = list(model.children())
         bounds = plan(len(layers), ranks, schedule, microbatches, split, stages_per_rank)
         cut = [nn.Sequential(*layers[a:b]) for a, b in bounds]
     else:
-        per_rank = stages_per_rank or (2 if str(schedule).lower() in _MULTI else 1)
-        raise TypeError(_NOT_SEQUENTIAL.format(name=type(model).__name__,
-                                               stages=ranks * per_rank))
+        stages = ranks * _stages_per_rank(schedule, stages_per_rank)[1]
+        raise TypeError(_NOT_SEQUENTIAL.format(name=type(model).__name__, stages=stages))
     rank = dist.get_rank(group)
     mine = [s for s in range(len(bounds)) if s % ranks == rank]
     dev = torch.device(device) if device is not None else _device(group)
