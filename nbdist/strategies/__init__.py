@@ -16,6 +16,7 @@ one-line description and the ZeRO stage whose memory formula it follows
     deepspeed_zero1    DeepSpeed ZeRO stage 1 (optimizer state)                 ZeRO-1
     deepspeed_zero2    DeepSpeed ZeRO stage 2 (grads + optimizer state)         ZeRO-2
     deepspeed_zero3    DeepSpeed ZeRO stage 3 (params, grads, state)            ZeRO-3
+    pp                 pipeline stages: for memory.measure; train with nbdist.parallel.pipeline
 
 ``optimizer_fn`` builds the optimizer from parameters: an optimizer class (``torch.optim.Adam``), a
 ``functools.partial(torch.optim.AdamW, lr=1e-3)`` or any ``params -> Optimizer`` callable. Extra
@@ -37,7 +38,7 @@ Register your own with :func:`register_strategy`.
 """
 from __future__ import annotations
 
-from . import deepspeed, fairscale, native
+from . import deepspeed, fairscale, native, registry
 from .deepspeed import DEEPSPEED_HINT, DeepSpeedOptimizer
 from .fairscale import FAIRSCALE_HINT
 from .native import full_parameters
@@ -74,3 +75,6 @@ register_strategy("deepspeed_zero2", deepspeed.wrap_zero2, "DeepSpeed ZeRO stage
 register_strategy("deepspeed_zero3", deepspeed.wrap_zero3, "DeepSpeed ZeRO stage 3: params, grads "
                   "and optimizer state partitioned (options -> the DeepSpeed config)", 3,
                   mixed_precision=True, check=deepspeed.require)
+register_strategy("pp", registry._wrap_pp, "pipeline parallelism: each rank holds its stage's "
+                  "layers (nbdist.memory.measure options: schedule, microbatches; train with "
+                  "nbdist.parallel.pipeline)", 0)

@@ -222,3 +222,41 @@ def test_timeline_times_every_microbatch_on_every_rank(shared_group, schedule):
     assert "idle share (%)" in text and f"bubble: measured" in text
     assert "<table>" in tl._repr_html_()
     assert sorted(tl.spans) == [0, 1]
+
+
+def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
+    import functools
+
+    from nbdist.memory import measure, mlp
+
+    report = measure(shared_group, functools.partial(mlp, 4, 64), strategies=["pp"],
+                     optimizer="adam", batch=8,
+                     options={"pp": {"schedule": "gpipe", "microbatches": 4}})
+    assert [r.rank for r in report] == [0, 1]
+    total = report[0].num_params
+    assert sum(r.local_params for r in report) == total  # the stages cover the model once
+    for r in report:
+        assert r.params == 4 * r.local_params and r.grads == 4 * r.local_params
+        assert r.optimizer >= 8 * r.local_params  # Adam's two moments (+ its step counters)
+        assert abs(r.diff) < 1e-3
+        assert r.formula.startswith("PP: the stage's layers: (P + G + K)Ψ_stage = 16Ψ_stage")
+    assert report[0].layers == "stage 0: layers 0-3 of 7 (gpipe, 4 microbatches)"
+    text = report.table()
+    assert "pp: rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
+
+
+def test_strategy_pp_points_to_the_pipeline_for_training(shared_group):
+    def wrap_pp():
+        from nbdist import strategies
+
+        strategies.wrap("pp", make_model(), torch.optim.SGD)
+
+    with pytest.raises(nbdist.RemoteError, match="strategy 'pp' \\(pipeline parallelism\\) does "
+                       "not wrap a model .* train with nbdist.parallel.pipeline"):
+        shared_group.run(wrap_pp)
+    from nbdist.memory import measure, mlp
+
+    with pytest.raises(nbdist.RemoteError, match="strategy 'pp' takes the options schedule, "
+                       "microbatches, split, stages_per_rank, got chunks"):
+        measure(shared_group, mlp, strategies=["pp"], options={"pp": {"chunks": 4}})
+    assert shared_group.run(lambda: 3) == [3, 3]

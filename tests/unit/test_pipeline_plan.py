@@ -91,3 +91,13 @@ def test_gantt_chart_draws_a_bar_per_forward_and_backward():
     plt.close(ax.figure)
     with pytest.raises(ValueError, match="plot_pipeline\\(\\) got a timeline without events"):
         Timeline("1f1b", 4, 2, 2).plot()
+
+
+def test_the_pp_estimate_is_the_stage_s_layers():
+    from nbdist.memory import estimate, estimate_table
+
+    e = estimate(1000, 4, "pp", optimizer="adam")
+    assert (e.params, e.grads, e.optimizer_state) == (1000, 1000, 2000)  # 250 parameters each
+    assert e.formula.startswith("PP: the stage's layers: (P + G + K)Ψ_stage = 16Ψ_stage")
+    assert "an even split over N ranks: Ψ_stage ≈ Ψ/N" in e.formula
+    assert "pp        PP" in str(estimate_table(1000, 4, ["pp"]))
