@@ -40,9 +40,9 @@ def plot_pipeline(timeline, ax=None):
     b = timeline.bubble()
     theory = "n/a" if b["theory"] is None else f"{b['theory']:.0%}"
     ax.set_title(f"{timeline.schedule}, m={timeline.microbatches}, p={timeline.ranks}: bubble "
-                 f"{b['measured']:.0%} measured, {theory} in theory", fontsize=10)
+                 f"{b['measured']:.0%} measured, {theory} in theory", fontsize=10, loc="left")
     ax.legend(handles=[Patch(color=_COLOURS["forward"], label="forward"),
                        Patch(color=_COLOURS["backward"], label="backward")],
-              loc="upper right", fontsize=8, ncol=2)
+              loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=8, ncol=2, frameon=False)
     ax.grid(True, axis="x", alpha=0.3)
     return ax
