@@ -18,6 +18,9 @@
   plus the largest rise of CPU allocations during it (approximate).
 * ``rss`` -- process RSS after ``malloc_trim`` (approximate; includes torch itself, ~230 MB).
 
+Under ``"pp"`` (pipeline stages, :mod:`nbdist.memory.pipeline`) each rank holds its stage's
+layers; its figures are compared with "PP: the stage's layers" (``nbdist.memory.formulas.stage_estimate``).
+
 :func:`estimate` gives the analytic figures of the ZeRO paper (Rajbhandari et al., 2020) for any
 world size -- how to plan a cluster from a laptop. This module imports no matplotlib or IPython;
 :meth:`MemoryReport.plot` imports :mod:`nbdist.ui.plots.memory` when called.

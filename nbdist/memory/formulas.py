@@ -94,6 +94,9 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
                          f"got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
+    if name == "pp":
+        return stage_estimate(math.ceil(num / world_size), num, world_size, precision, optimizer,
+                              "an even split over N ranks: Ψ_stage ≈ Ψ/N")
     p = g = 4 if precision == "fp32" else 2
     k = OPTIMIZERS[optimizer][0 if precision == "fp32" else 1]
     shard = math.ceil(num / world_size)
@@ -109,6 +112,21 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
                f"{optimizer}: P={p}, G={g}, K={k} bytes per parameter; Ψ={num:,}, N={world_size})")
     return Estimate(num, world_size, name, stage, precision, optimizer, params, grads, state,
                     formula)
+
+
+def stage_estimate(stage_params: int, num_params: int, world_size: int, precision: str = "fp32",
+                   optimizer: str = "adam", layers: str = "") -> Estimate:
+    """Pipeline parallelism: a rank holds its stage's layers whole, so its model state is the
+    plain formula of the stage's Ψ_stage parameters, ``(P + G + K)Ψ_stage`` (strategy ``"pp"``;
+    ``layers`` says which, e.g. ``"stage 0: layers 0-3 of 8"``)."""
+    p = g = 4 if precision == "fp32" else 2
+    k = OPTIMIZERS[optimizer][0 if precision == "fp32" else 1]
+    formula = (f"PP: the stage's layers: (P + G + K)Ψ_stage = {p + g + k}Ψ_stage ({precision} "
+               f"{optimizer}: P={p}, G={g}, K={k} bytes per parameter; Ψ_stage="
+               f"{stage_params:,} of Ψ={num_params:,}, N={world_size}"
+               f"{'; ' + layers if layers else ''})")
+    return Estimate(num_params, world_size, "pp", 0, precision, optimizer, p * stage_params,
+                    g * stage_params, k * stage_params, formula)
 
 
 def mlp(layers: int = 4, width: int = 2236) -> nn.Module:

@@ -11,9 +11,10 @@ from torch import nn
 
 from .. import strategies as _strategies
 from . import accounting
+from . import pipeline as _pipeline
 from ..report.table import Column, TableView
 from .accounting import human_bytes
-from .formulas import _STAGES, Estimate, estimate
+from .formulas import _STAGES, Estimate, estimate, stage_estimate
 
 @dataclass
 class MemoryRecord:
@@ -23,7 +24,8 @@ class MemoryRecord:
     process gained, after the step; ``in_flight``: the same between forward and backward
     (activations included). ``peak``: during the last step (``None`` when not measured). ``rss``,
     ``rss_base``: process RSS after and before the run. ``estimate``/``formula``: the ZeRO figure
-    for ``model_state``; ``notes``: why they differ, where they do.
+    for ``model_state`` (for ``"pp"``: the stage's layers, ``local_params`` of them, which
+    ``layers`` names); ``notes``: why they differ, where they do.
     """
 
     strategy: str
@@ -43,6 +45,8 @@ class MemoryRecord:
     notes: List[str] = field(default_factory=list)
     estimate: Optional[int] = None
     formula: str = ""
+    local_params: Optional[int] = None  #: parameters of this rank's pipeline stage(s) ("pp")
+    layers: str = ""  #: the layers this rank holds ("pp"), e.g. "stage 0: layers 0-3"
 
     @property
     def model_state(self) -> int:
@@ -75,7 +79,8 @@ class MemoryReport(list):
     """
 
     def _view(self) -> TableView:
-        notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 for note in r.notes]
+        notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 or r.local_params is not None
+                 for note in r.notes]
         return TableView(self.to_dicts(), _COLUMNS, notes)
 
     def table(self) -> str:
@@ -153,7 +158,9 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
         precision: ``"fp32"`` or ``"bf16-mixed"`` (passed to :func:`nbdist.strategies.wrap`).
         profile: on CPU, measure the peak with the torch profiler (slower; opt-in).
         options: per-strategy ``wrap`` options, e.g.
-            ``{"ddp": {"gradient_as_bucket_view": False}}``.
+            ``{"ddp": {"gradient_as_bucket_view": False}}``; for ``"pp"`` (pipeline stages,
+            :mod:`nbdist.memory.pipeline`): ``schedule``, ``microbatches``, ``split``,
+            ``stages_per_rank``, and ``batch`` is the whole pipeline's batch.
     """
     for name in strategies:
         _strategies.get_strategy(name)
@@ -164,12 +171,19 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
     estimate(1, 1, 0, precision, optimizer)  # validates precision and optimizer here
     report = MemoryReport()
     for name in strategies:
-        for out in group.run(accounting.measure_on_rank, model_fn, name, optimizer, steps, batch,
+        on_rank = _pipeline.measure_on_rank if name == "pp" else accounting.measure_on_rank
+        for out in group.run(on_rank, model_fn, name, optimizer, steps, batch,
                              precision, profile, input_fn, dict((options or {}).get(name, {}))):
             rec = MemoryRecord(**out)
-            est = estimate(rec.num_params, rec.world_size, name, precision, optimizer)
+            if rec.local_params is not None:
+                est = stage_estimate(rec.local_params, rec.num_params, rec.world_size, precision,
+                                     optimizer, rec.layers)
+            else:
+                est = estimate(rec.num_params, rec.world_size, name, precision, optimizer)
             rec.estimate, rec.formula = est.total, est.formula
             rec.notes = _explain(rec, est) + rec.notes
+            if rec.local_params is not None:  # pp: each rank's stage is its own formula
+                rec.notes.insert(0, f"rank {rec.rank}: {est.formula}")
             report.append(rec)
     return report
 
@@ -204,7 +218,8 @@ def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
     rows, formulas = [], []
     for name in strategies:
         e = estimate(num_params, world_size, name, precision, optimizer)
-        rows.append({"strategy": name, "stage": _STAGES[e.stage], "params": e.params,
+        rows.append({"strategy": name, "stage": "PP" if name == "pp" else _STAGES[e.stage],
+                     "params": e.params,
                      "grads": e.grads, "optimizer": e.optimizer_state, "total": e.total})
         formulas.append(f"{name}: {e.formula}")
     return TableView(rows, _ESTIMATE_COLUMNS, formulas)

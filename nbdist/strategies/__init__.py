@@ -19,6 +19,7 @@ one-line description and the ZeRO stage whose memory formula it follows
     tp                 tensor parallel over all ranks (nbdist.parallel plans)   ZeRO-3 (N = tp)
     fsdp2+tp           2-D: FSDP2 over dp x tensor parallel over tp             ZeRO-3 (N = dp x tp)
     hsdp               FSDP2 hybrid: replicas of dp_shard-sized sharded groups  ZeRO-3 (N = dp_shard)
+    pp                 pipeline stages: for memory.measure; train with nbdist.parallel.pipeline
 
 ``optimizer_fn`` builds the optimizer from parameters: an optimizer class (``torch.optim.Adam``), a
 ``functools.partial(torch.optim.AdamW, lr=1e-3)`` or any ``params -> Optimizer`` callable. Extra
@@ -44,7 +45,7 @@ Register your own with :func:`register_strategy`.
 """
 from __future__ import annotations
 
-from . import deepspeed, fairscale, meshed, native
+from . import deepspeed, fairscale, meshed, native, registry
 from .deepspeed import DEEPSPEED_HINT, DeepSpeedOptimizer
 from .fairscale import FAIRSCALE_HINT
 from .native import full_parameters
@@ -90,3 +91,6 @@ register_strategy("fsdp2+tp", meshed.wrap_fsdp2_tp, "2-D mesh: tensor parallel o
 register_strategy("hsdp", meshed.wrap_hsdp, "FSDP2 hybrid sharding: parameters sharded in groups of "
                   "dp_shard ranks (default half the world), replicated across them (options: "
                   "dp_shard, fully_shard's)", 3, mixed_precision=True)
+register_strategy("pp", registry._wrap_pp, "pipeline parallelism: each rank holds its stage's "
+                  "layers (nbdist.memory.measure options: schedule, microbatches; train with "
+                  "nbdist.parallel.pipeline)", 0)

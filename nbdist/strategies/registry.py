@@ -110,6 +110,15 @@ def wrap(name: str, model: nn.Module, optimizer_fn: Callable, *, precision: str 
     return info.wrap_fn(model, optimizer_fn, device, precision, **options)
 
 
+def _wrap_pp(model, optimizer_fn, device, precision, **options):
+    """``pp`` is in the registry for :func:`nbdist.memory.measure`; training has its own call."""
+    raise ValueError("strategy 'pp' (pipeline parallelism) does not wrap a model for the usual "
+                     "forward/backward/step loop: train with nbdist.parallel.pipeline(model, "
+                     "schedule='1f1b', microbatches=M, loss_fn=...) and its step(x, y) on every "
+                     "rank. 'pp' is registered for nbdist.memory.measure(group, model_fn, "
+                     "strategies=['pp'], options={'pp': {'schedule': '1f1b', 'microbatches': 4}})")
+
+
 def default_device() -> torch.device:
     """Where :func:`wrap` trains by default: ``cuda:<current>`` under NCCL, else the CPU."""
     backend = str(dist.get_backend()) if dist.is_initialized() else ""

@@ -26,7 +26,7 @@ DOCS = ROOT / "docs"
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 BUILD_TIMEOUT = 540  # s; the build takes ~60 s on 2 idle cores
 
-PAGES = ["index", "install", "platforms", "guide", "tutorials", "parallel", "multinode", "benchmarks",
+PAGES = ["index", "install", "platforms", "guide", "tutorials", "parallel", "pipelines", "multinode", "benchmarks",
          "troubleshooting", "api", "architecture"]
 
 

@@ -87,14 +87,15 @@ def test_registry_describes_every_strategy_and_refuses_duplicates():
     names = strategies.available_strategies()
     assert list(names) == ["ddp", "zero1", "fsdp_grad_op", "fsdp", "fsdp2", "fairscale_oss",
                            "fairscale_sharded", "fairscale_fsdp", "deepspeed_zero1",
-                           "deepspeed_zero2", "deepspeed_zero3", "tp", "fsdp2+tp", "hsdp"]
+                           "deepspeed_zero2", "deepspeed_zero3", "tp", "fsdp2+tp", "hsdp",
+                           "pp"]
     assert all(desc for desc in names.values())
     assert all("legacy" in names[n] for n in names if n.startswith("fairscale"))
     stages = {n: strategies.get_strategy(n).zero_stage for n in names}
     assert stages == {"ddp": 0, "zero1": 1, "fsdp_grad_op": 2, "fsdp": 3, "fsdp2": 3,
                       "fairscale_oss": 1, "fairscale_sharded": 2, "fairscale_fsdp": 3,
                       "deepspeed_zero1": 1, "deepspeed_zero2": 2, "deepspeed_zero3": 3,
-                      "tp": 3, "fsdp2+tp": 3, "hsdp": 3}
+                      "tp": 3, "fsdp2+tp": 3, "hsdp": 3, "pp": 0}
     with pytest.raises(ValueError, match="strategy 'ddp' is already registered .*another name, "
                                          "or pass override=True to replace it"):
         strategies.register_strategy("ddp", lambda *a: None, "again", 0)

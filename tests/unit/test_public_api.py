@@ -39,8 +39,9 @@ API = {
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
     "nbdist.parallel": [
-        "DIMS", "MeshLayout", "TransformerBlock", "auto_plan", "check_plan", "describe",
-        "device_mesh", "factorizations", "mesh_ranks", "tensor_parallel",
+        "DIMS", "MeshLayout", "Pipeline", "SCHEDULES", "Timeline", "TransformerBlock", "auto_plan",
+        "check_plan", "describe", "device_mesh", "factorizations", "mesh_ranks", "pipeline",
+        "tensor_parallel",
     ],
     "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
                          "warm"],
@@ -48,7 +49,7 @@ API = {
                   "memory_panel", "watch"],
 }
 CONSTANTS = {"DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
-             "DEEPSPEED_HINT", "PRECISIONS"}
+             "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}
 
 
 @pytest.mark.parametrize("module", sorted(API))
