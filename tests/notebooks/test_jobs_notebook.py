@@ -157,3 +157,39 @@ def test_kernel_interrupt_with_a_job_running_stops_the_wait_not_the_job():
         alive = [p for p in pids if _running(p)]
         time.sleep(0.2)
     assert alive == [], f"workers left after the kernel shut down: {alive}"
+
+
+@pytest.mark.timeout(180)
+def test_kernel_death_with_a_job_running_leaves_no_process():
+    """The kernel is killed (SIGKILL: nothing of nbdist runs) while a job's ranks sit in
+    collectives: each rank's watchdog sees its controller gone and exits, the forkserver too."""
+    import os
+    import signal
+
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        reply, text = _stdout(client, CELLS["start"])
+        assert reply["status"] == "ok", reply
+        pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
+        reply, _ = _stdout(client, CELLS["train"])
+        assert reply["status"] == "ok", reply
+        kernel = psutil.Process(manager.provisioner.pid)
+        family = [p.pid for p in kernel.children(recursive=True)]
+        assert set(pids) <= set(family)
+        time.sleep(1.0)
+        os.kill(kernel.pid, signal.SIGKILL)
+    finally:
+        client.stop_channels()
+    deadline = time.monotonic() + 15
+    alive = family
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in family if _running(p)]
+        time.sleep(0.2)
+    manager.cleanup_resources()
+    assert alive == [], f"processes left after the kernel died: {alive}"
