@@ -38,8 +38,8 @@ API = {
         "available_strategies", "default_device",
         "full_parameters", "get_strategy", "register_strategy", "wrap",
     ],
-    "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
-                         "warm"],
+    "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
+                         "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
                   "memory_panel", "watch"],
 }
