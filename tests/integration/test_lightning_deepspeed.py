@@ -178,3 +178,11 @@ def test_stage_3_on_four_ranks(nb, tmp_path):
         group.exec(SOURCE)
         fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path, world=4)
     assert time.monotonic() - start < 200
+
+
+def test_bf16_mixed_trains_close_to_fp32(g, nb):
+    job = nl.fit(g, nb["Toy"], nb["make_data"], "deepspeed_stage_3", block=False,
+                 precision="bf16-mixed", max_epochs=EPOCHS, enable_checkpointing=False, **QUIET)
+    results = job.result(timeout=120)
+    assert results[0].state_dict["net.0.weight"].dtype == torch.bfloat16
+    assert job.metrics.series("loss", 0)[1] == pytest.approx(reference(nb, 2)[0], rel=2e-2)
