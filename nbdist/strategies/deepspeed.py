@@ -262,11 +262,23 @@ def engine_setup(device):
     of its shared-memory op, and on the way out its comm backend, once it exists, pointed at
     the non-deprecated collectives. Yields the ``deepspeed`` module."""
     deepspeed = _import(torch.device(device))
+    _forget_stale_groups(sys.modules.get("deepspeed.utils.groups"))
     try:
         with _no_shm_op():
             yield deepspeed
     finally:
         _undeprecate(deepspeed.comm.comm.cdb)
+
+
+def _forget_stale_groups(groups) -> None:
+    """DeepSpeed caches the process groups it made (``deepspeed.utils.groups``); once the default
+    group was re-formed (``nbdist.lightning.fit(process_group_backend=...)``) torch no longer knows
+    them: drop them, and DeepSpeed makes them again from the current default group."""
+    world = getattr(groups, "_WORLD_GROUP", None)
+    if world is not None and world not in dist.distributed_c10d._world.pg_map:
+        for name, value in list(vars(groups).items()):
+            if name.isupper() and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
 
 
 def _undeprecate(cdb) -> None:
@@ -349,51 +361,3 @@ def _tensors(value) -> List[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-_PROBE = """import json
-from deepspeed.accelerator import get_accelerator
-a = get_accelerator()
-print("nbdist-probe " + json.dumps(dict(accelerator=a.device_name(), comm=a.communication_backend_name(),
-      bf16=bool(a.is_bf16_supported()), fp16=bool(a.is_fp16_supported()))))
-"""
-
-
-def doctor_lines(timeout: float = 120.0) -> List[str]:
-    """What ``python -m nbdist doctor`` says about DeepSpeed here: installed or not (version),
-    the accelerator and communication backend it picks in a plain process (asked in a
-    subprocess, so this process never imports it), and the C++ compiler its ops would need."""
-    import importlib.metadata
-    import json
-    import shutil
-    import subprocess
-
-    try:
-        require()
-        version = importlib.metadata.version("deepspeed")
-    except (ImportError, importlib.metadata.PackageNotFoundError):
-        return [f"DeepSpeed: not installed (optional: {DEEPSPEED_HINT})"]
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout)
-        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("nbdist-probe ")]
-        info = json.loads(found[-1].split(" ", 1)[1]) if found else None
-    except subprocess.TimeoutExpired:
-        info, proc = None, None
-    if info is None:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1] if proc else "timed out"
-        lines = [f"DeepSpeed {version}: installed, but importing it failed here ({tail})"]
-    else:
-        precisions = ", ".join(k for k in ("bf16", "fp16") if info[k]) or "none"
-        lines = [f"DeepSpeed {version}: picks accelerator {info['accelerator']!r} and "
-                 f"communication backend {info['comm']!r} in a plain process (half precision: "
-                 f"{precisions}); in a group, deepspeed_zero* run over the group's own process "
-                 "group, and on CPU nbdist sets its accelerator to 'cpu'"]
-    cxx = os.environ.get("CXX") or ("cl" if sys.platform == "win32" else "c++")
-    compiler = shutil.which(cxx)
-    lines.append(f"  C++ compiler for DeepSpeed's own ops: {compiler}" if compiler else
-                 f"  C++ compiler for DeepSpeed's own ops: none ({cxx!r} not found): DeepSpeed "
-                 "cannot JIT-build them")
-    lines.append("  (the deepspeed_zero* strategies need none: nbdist skips the one DeepSpeed "
-                 "would build, its Linux shared-memory op, deepspeed_shm_comm)")
-    return lines

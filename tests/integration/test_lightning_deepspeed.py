@@ -95,9 +95,9 @@ def reference(nb, world, epochs=EPOCHS, batch=8):
     return losses, {"net." + k: v for k, v in net.state_dict().items()}
 
 
-def fit_and_compare(group, nb, strategy, tmp_path, world=2):
+def fit_and_compare(group, nb, strategy, tmp_path, world=2, **kwargs):
     job = nl.fit(group, nb["Toy"], nb["make_data"], strategy, block=False, weights="all",
-                 max_epochs=EPOCHS, default_root_dir=str(tmp_path), **QUIET)
+                 max_epochs=EPOCHS, default_root_dir=str(tmp_path), **QUIET, **kwargs)
     results = job.result(timeout=120)
     losses, weights = reference(nb, world)
     steps, logged = job.metrics.series("loss", 0)
@@ -168,6 +168,17 @@ def test_errors_come_before_anything_runs_and_leave_the_group_usable(g, nb, monk
     results = nl.fit(g, nb["Toy"], nb["make_data"], "deepspeed_stage_3", max_epochs=1,
                      enable_checkpointing=False, **QUIET)
     assert [r.global_step for r in results] == [4, 4]
+
+
+def test_another_process_group_backend_for_the_fit_then_back(g, nb, tmp_path, capsys):
+    # The ranks re-form their process group with nbdist_shm for the fit: DeepSpeed's cached
+    # groups from the earlier fits are stale then, and are made again.
+    results = fit_and_compare(g, nb, "deepspeed_stage_3", tmp_path / "shm",
+                              process_group_backend="nbdist_shm")
+    assert [r.backend for r in results] == ["nbdist_shm", "nbdist_shm"]
+    assert "re-form their process group with 'nbdist_shm'" in capsys.readouterr().err
+    assert g.run(lambda: torch.distributed.get_backend()) == ["gloo", "gloo"]
+    fit_and_compare(g, nb, "deepspeed_stage_2", tmp_path / "gloo")  # and back on gloo
 
 
 @pytest.mark.timeout(240)
