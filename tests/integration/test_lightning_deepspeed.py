@@ -142,6 +142,17 @@ def test_plain_trainer_in_dist_cells_and_a_lightning_strategy_object(g, nb, tmp_
         assert zero["reduce_bucket_size"] == zero["allgather_bucket_size"] == 64
         assert shm is None and not built  # no JIT build of DeepSpeed's shared-memory op
     assert sum(local for _, _, local, _, _ in out) in (total, total + 1)  # halves (padded)
+    # Trainer.validate alone: DeepSpeed's inference engine, on the CPU too.
+    val = g.exec("class Checked(Toy):\n"
+                 "    def validation_step(self, batch, i):\n"
+                 "        self.log('val', torch.nn.functional.mse_loss(self.net(batch[0]), "
+                 "batch[1]), sync_dist=True)\n"
+                 "pl.Trainer(strategy='deepspeed_stage_3', devices=2, accelerator='cpu', "
+                 "logger=False, enable_progress_bar=False, enable_model_summary=False)"
+                 ".validate(Checked(), make_data(), verbose=False)[0]['val']")
+    net, (x, y) = nb["make_net"](), nb["toy_data"]()
+    with torch.no_grad():
+        assert val == [pytest.approx(torch.nn.functional.mse_loss(net(x), y).item(), abs=1e-5)] * 2
     # Lightning's own DeepSpeedStrategy object, made in the kernel: trains the same on the ranks.
     fit_and_compare(g, nb, pl.strategies.DeepSpeedStrategy(stage=2), tmp_path)
 
