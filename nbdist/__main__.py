@@ -36,7 +36,7 @@ def doctor() -> int:
                               else "gloo handles CPU tensors on every platform")
         env = f" (${backends.ENV_VAR} is set)" if __import__("os").environ.get(backends.ENV_VAR) else ""
         print(f"  auto picks {choice.backend!r} for {device}{env}: {why}")
-    from .strategies.deepspeed import doctor_lines
+    from .strategies.deepspeed_doctor import doctor_lines
 
     print("\n".join(doctor_lines()))
     from .parallel.meshes import doctor_lines as parallel_lines

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import os
 import sys
 from dataclasses import dataclass, field
@@ -10,6 +9,8 @@ from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Union
 
 from ..runtime.ranklog import log
+from ..strategies import deepspeed as core
+from .deepspeed import fp16_message, is_fp16
 from .guards import _SPAWNING, _dist, _installed_namespace, _spawn_message, install_hooks
 
 _WEIGHTS = ("rank0", "all", "none")
@@ -54,6 +55,10 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
             ``ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)`` (the
             module applies ``fully_shard`` in ``configure_model``, over
             ``self.device_mesh["data_parallel"]``); it also works on CPU, where ``"fsdp"`` does not.
+            ``"deepspeed_stage_1"``, ``"_2"``, ``"_3"`` (or a ``DeepSpeedStrategy`` object) train
+            on CPU groups too, through :class:`NbdistDeepSpeedStrategy` (needs DeepSpeed:
+            ``pip install nbdist[deepspeed]``); under stage 3 the returned weights are gathered
+            whole, and :func:`load_zero_checkpoint` reads the checkpoint directory in the kernel.
         process_group_backend: default: the group's backend. Another one (a registered custom
             backend, ``"cpu:gloo,cuda:nccl"``, ...) is used for this fit: the ranks re-form their
             process group with it, then go back to the group's backend (per-rank variables stay).
@@ -83,16 +88,18 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
             raise ValueError(f"strategy={strategy!r} is Lightning's FSDPStrategy, which needs "
                              "CUDA; this group runs on CPU. Use strategy='fsdp2' (FSDP2 through "
                              "ModelParallelStrategy: apply fully_shard in configure_model).")
-        if name.startswith("deepspeed") and importlib.util.find_spec("deepspeed") is None:
-            raise ImportError(f"strategy={strategy!r} needs DeepSpeed, which is not installed "
-                              "(pip install deepspeed; it needs a CUDA build of torch). On CPU, "
-                              "strategy='fsdp2' shards like ZeRO-3.")
     else:
         own = getattr(strategy, "_process_group_backend", None)
         if own and process_group_backend and own.lower() != process_group_backend.lower():
             raise ValueError(f"the strategy object says process_group_backend={own!r} but fit() "
                              f"got process_group_backend={process_group_backend!r}; give one.")
         process_group_backend = process_group_backend or own
+    if _is_deepspeed(strategy):
+        core.require(f"strategy={strategy!r} needs" if isinstance(strategy, str) else
+                     "DeepSpeedStrategy needs", " Without it, strategy='fsdp2' shards like "
+                     "ZeRO-3 (on CPU too).")
+        if group.device == "cpu" and is_fp16(trainer_kwargs.get("precision")):
+            raise ValueError(fp16_message(trainer_kwargs["precision"]))
     target = group.backend
     custom: tuple = ()
     if process_group_backend is not None:
@@ -110,6 +117,12 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
                             timeout=timeout)
     return group.call(_fit_on_rank, (make_module, make_data, spec, trainer_kwargs),
                       timeout=timeout)
+
+
+def _is_deepspeed(strategy) -> bool:
+    if isinstance(strategy, str):
+        return strategy.lower().startswith("deepspeed")
+    return any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__)
 
 
 def _reform(backend: str, timeout: float) -> None:
@@ -198,7 +211,10 @@ def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
             from torch.distributed.checkpoint.state_dict import (StateDictOptions,
                                                                  get_model_state_dict)
 
-            full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+            if core.is_partitioned(module):  # ZeRO-3: get_model_state_dict would give (0,)
+                full = core.full_state_dict(module)
+            else:
+                full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
             if spec["weights"] == "all" or rank == 0:
                 state = {k: v.detach().cpu().clone() for k, v in full.items()}
         callback = trainer.checkpoint_callback

@@ -190,6 +190,7 @@ def _patch(pl: str) -> None:
     if pl in _patched:
         return
     _patched.add(pl)
+    from . import deepspeed  # imports nbdist.strategies.deepspeed, which imports no DeepSpeed
     connector = importlib.import_module(pl + ".trainer.connectors.accelerator_connector")
     spawning = importlib.import_module(pl + ".strategies.launchers.multiprocessing")
     parallel = importlib.import_module(pl + ".strategies").ParallelStrategy
@@ -208,6 +209,7 @@ def _patch(pl: str) -> None:
         lazy_init(self)  # sets world ranks (NbdistEnvironment checks the size) and the launcher
         if not _in_group():
             return
+        deepspeed.adopt(pl, self.strategy)  # Lightning's own DeepSpeedStrategy: CPU-capable
         dist = _dist()
         if not isinstance(self.strategy, parallel) and dist.get_world_size() > 1:
             raise ValueError(_size_message(1, dist.get_world_size()))  # e.g. devices=1
@@ -223,6 +225,7 @@ def _patch(pl: str) -> None:
         raise RuntimeError(_spawn_message(f"{self.num_processes - 1} more copies of this script",
                                           _dist().get_world_size()))
 
+    deepspeed.register(pl)  # Trainer(strategy="deepspeed_stage_3") gets the CPU-capable class
     cls._choose_and_init_cluster_environment = _choose_and_init_cluster_environment
     cls._lazy_init_strategy = _lazy_init_strategy
     script._SubprocessScriptLauncher._call_children_scripts = _call_children_scripts

@@ -50,18 +50,17 @@ DEEPSPEED_HINT = "pip install nbdist[deepspeed]"
 _MAX_BUCKET = 500_000_000  # DeepSpeed's own default, in elements
 
 
-def require() -> None:
+def require(what: str = "the deepspeed_zero* strategies need", instead: str = " The torch "
+            "strategies 'zero1', 'fsdp_grad_op' and 'fsdp' shard the same way without it.") -> None:
     """Raise a clear ImportError when DeepSpeed is not installed (without importing it: it picks
-    its accelerator at import, see :func:`_import`)."""
+    its accelerator at import, see :func:`_import`): "``what`` DeepSpeed ... ``instead``"."""
     try:
         missing = importlib.util.find_spec("deepspeed") is None
     except ValueError:  # sys.modules["deepspeed"] is None: import blocked
         missing = True
     if missing:
-        raise ImportError("the deepspeed_zero* strategies need DeepSpeed, an optional extra: "
-                          f"{DEEPSPEED_HINT} (a pure-Python wheel; nothing is compiled). The torch "
-                          "strategies 'zero1', 'fsdp_grad_op' and 'fsdp' shard the same way "
-                          "without it.")
+        raise ImportError(f"{what} DeepSpeed, an optional extra: {DEEPSPEED_HINT} (a pure-Python "
+                          f"wheel; nothing is compiled).{instead}")
 
 
 def merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
@@ -77,8 +76,20 @@ def merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
 
 def bucket_elements(model: nn.Module) -> int:
     """Bucket size in elements: a quarter of the model, at least its largest parameter."""
-    sizes = [p.numel() for p in {id(p): p for p in model.parameters()}.values()] or [1]
+    sizes = [getattr(p, "ds_numel", p.numel())  # ds_numel: a stage-3 partitioned parameter
+             for p in {id(p): p for p in model.parameters()}.values()] or [1]
     return int(min(_MAX_BUCKET, max(max(sizes), math.ceil(sum(sizes) / 4))))
+
+
+def zero_defaults(stage: int, bucket: int) -> Dict[str, Any]:
+    """The notebook's ``zero_optimization`` section: buckets of ``bucket`` elements; stage 3
+    partitions every parameter and leaves ``torch.nn.functional.linear`` alone."""
+    zero: Dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket,
+                            "allgather_bucket_size": bucket}
+    if stage == 3:
+        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket,
+                    memory_efficient_linear=False)
+    return zero
 
 
 def build_config(stage: int, model: nn.Module, precision: str, options: Dict[str, Any],
@@ -99,12 +110,7 @@ def build_config(stage: int, model: nn.Module, precision: str, options: Dict[str
         raise ValueError(f"the strategy is DeepSpeed ZeRO stage {stage}, but the options ask for "
                          f"zero_optimization.stage={asked!r}: use the strategy "
                          f"'deepspeed_zero{asked}' instead of setting the stage")
-    bucket = bucket_elements(model)
-    zero: Dict[str, Any] = {"stage": stage, "reduce_bucket_size": bucket,
-                            "allgather_bucket_size": bucket}
-    if stage == 3:
-        zero.update(stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=bucket,
-                    memory_efficient_linear=False)
+    zero = zero_defaults(stage, bucket_elements(model))
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
               "steps_per_print": sys.maxsize, "zero_allow_untested_optimizer": True,
               "zero_optimization": zero, "bf16": {"enabled": precision == "bf16-mixed"}}
@@ -234,14 +240,13 @@ def _wrap(stage: int, model, optimizer_fn, device, precision, **options):
 
     config = build_config(stage, model, precision, options, DeepSpeedZeroConfig.model_fields)
     _check_precision(config, get_accelerator())
-    with _no_shm_op():
+    with engine_setup(device):
         deepspeed.init_distributed(dist_backend=str(dist.get_backend()))
         try:  # DeepSpeed's own checks, before the model is touched
             DeepSpeedConfig(config)
         except (ValueError, AssertionError) as err:  # pydantic's ValidationError is a ValueError
             raise ValueError(f"DeepSpeed refused the configuration built from wrap()'s options: "
                              f"{err}") from None
-        _undeprecate(deepspeed.comm.comm.cdb)
         engine, _, _, _ = deepspeed.initialize(model=model.to(device),
                                                optimizer=optimizer_fn(model.parameters()),
                                                config=config)
@@ -250,9 +255,35 @@ def _wrap(stage: int, model, optimizer_fn, device, precision, **options):
     return engine, DeepSpeedOptimizer(engine)
 
 
+@contextlib.contextmanager
+def engine_setup(device):
+    """The context nbdist creates DeepSpeed's comm backend and engines in (``wrap`` and
+    :mod:`nbdist.lightning`): deepspeed imported for ``device`` (:func:`_import`), no JIT build
+    of its shared-memory op, and on the way out its comm backend, once it exists, pointed at
+    the non-deprecated collectives. Yields the ``deepspeed`` module."""
+    deepspeed = _import(torch.device(device))
+    _forget_stale_groups(sys.modules.get("deepspeed.utils.groups"))
+    try:
+        with _no_shm_op():
+            yield deepspeed
+    finally:
+        _undeprecate(deepspeed.comm.comm.cdb)
+
+
+def _forget_stale_groups(groups) -> None:
+    """DeepSpeed caches the process groups it made (``deepspeed.utils.groups``); once the default
+    group was re-formed (``nbdist.lightning.fit(process_group_backend=...)``) torch no longer knows
+    them: drop them, and DeepSpeed makes them again from the current default group."""
+    world = getattr(groups, "_WORLD_GROUP", None)
+    if world is not None and world not in dist.distributed_c10d._world.pg_map:
+        for name, value in list(vars(groups).items()):
+            if name.isupper() and name.endswith(("_GROUP", "_GROUP_RANKS")):
+                setattr(groups, name, {} if isinstance(value, dict) else None)
+
+
 def _undeprecate(cdb) -> None:
     """Point DeepSpeed's comm backend at the non-deprecated torch collectives (same calls)."""
-    if hasattr(dist, "all_gather_single") and hasattr(dist, "reduce_scatter_single"):
+    if cdb is not None and hasattr(dist, "all_gather_single"):  # reduce_scatter_single: same
         cdb.all_gather_function = dist.all_gather_single
         cdb.reduce_scatter_function = dist.reduce_scatter_single
 
@@ -269,13 +300,35 @@ def is_engine(model) -> bool:
 
 def full_parameters(engine) -> Dict[str, torch.Tensor]:
     """The engine's full parameters (stage 3 partitions gathered), by the model's names."""
-    import deepspeed
-
     params = dict(engine.module.named_parameters())
-    context = (deepspeed.zero.GatheredParameters(list(params.values()))
-               if engine.zero_optimization_partition_weights() else contextlib.nullcontext())
-    with context:
+    with _gathered(engine.module):
         return {n: p.detach().float().cpu().clone() for n, p in params.items()}
+
+
+def is_partitioned(module: nn.Module) -> bool:
+    """Whether ZeRO stage 3 partitioned some of ``module``'s parameters (no deepspeed import)."""
+    return any(hasattr(p, "ds_id") for p in module.parameters())
+
+
+def _gathered(module: nn.Module):
+    return (sys.modules["deepspeed"].zero.GatheredParameters(list(module.parameters()))
+            if is_partitioned(module) else contextlib.nullcontext())
+
+
+def full_state_dict(module: nn.Module) -> Dict[str, torch.Tensor]:
+    """``module.state_dict()`` with ZeRO-3 partitions gathered (a collective: every rank calls
+    it), as CPU copies; ``get_model_state_dict`` would give stage-3 parameters of shape (0,)."""
+    with _gathered(module):
+        return {k: v.detach().cpu().clone() for k, v in module.state_dict().items()}
+
+
+def checkpoint_state_dict(path: str, tag=None) -> Dict[str, torch.Tensor]:
+    """The full fp32 weights in a DeepSpeed checkpoint directory (any ZeRO stage, any number of
+    ranks), read in this process: DeepSpeed's ``get_fp32_state_dict_from_zero_checkpoint``."""
+    require("reading a DeepSpeed checkpoint needs", "")
+    _import(torch.device("cpu")) if not torch.cuda.is_available() else None  # quiet on CPU
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint as read
+    return dict(read(str(path), tag))
 
 
 def memory_parts(engine) -> Dict[str, List[torch.Tensor]]:
@@ -308,51 +361,3 @@ def _tensors(value) -> List[torch.Tensor]:
     if isinstance(value, (list, tuple)):
         return [t for v in value for t in _tensors(v)]
     return []
-
-
-_PROBE = """import json
-from deepspeed.accelerator import get_accelerator
-a = get_accelerator()
-print("nbdist-probe " + json.dumps(dict(accelerator=a.device_name(), comm=a.communication_backend_name(),
-      bf16=bool(a.is_bf16_supported()), fp16=bool(a.is_fp16_supported()))))
-"""
-
-
-def doctor_lines(timeout: float = 120.0) -> List[str]:
-    """What ``python -m nbdist doctor`` says about DeepSpeed here: installed or not (version),
-    the accelerator and communication backend it picks in a plain process (asked in a
-    subprocess, so this process never imports it), and the C++ compiler its ops would need."""
-    import importlib.metadata
-    import json
-    import shutil
-    import subprocess
-
-    try:
-        require()
-        version = importlib.metadata.version("deepspeed")
-    except (ImportError, importlib.metadata.PackageNotFoundError):
-        return [f"DeepSpeed: not installed (optional: {DEEPSPEED_HINT})"]
-    try:
-        proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout)
-        found = [ln for ln in proc.stdout.splitlines() if ln.startswith("nbdist-probe ")]
-        info = json.loads(found[-1].split(" ", 1)[1]) if found else None
-    except subprocess.TimeoutExpired:
-        info, proc = None, None
-    if info is None:
-        tail = (proc.stderr.strip().splitlines() or ["no output"])[-1] if proc else "timed out"
-        lines = [f"DeepSpeed {version}: installed, but importing it failed here ({tail})"]
-    else:
-        precisions = ", ".join(k for k in ("bf16", "fp16") if info[k]) or "none"
-        lines = [f"DeepSpeed {version}: picks accelerator {info['accelerator']!r} and "
-                 f"communication backend {info['comm']!r} in a plain process (half precision: "
-                 f"{precisions}); in a group, deepspeed_zero* run over the group's own process "
-                 "group, and on CPU nbdist sets its accelerator to 'cpu'"]
-    cxx = os.environ.get("CXX") or ("cl" if sys.platform == "win32" else "c++")
-    compiler = shutil.which(cxx)
-    lines.append(f"  C++ compiler for DeepSpeed's own ops: {compiler}" if compiler else
-                 f"  C++ compiler for DeepSpeed's own ops: none ({cxx!r} not found): DeepSpeed "
-                 "cannot JIT-build them")
-    lines.append("  (the deepspeed_zero* strategies need none: nbdist skips the one DeepSpeed "
-                 "would build, its Linux shared-memory op, deepspeed_shm_comm)")
-    return lines

@@ -240,7 +240,7 @@ def test_doctor_says_what_deepspeed_would_pick_and_whether_a_compiler_is_there()
     assert "DeepSpeed 0.19.8: picks accelerator 'cpu' and communication backend 'gloo'" in out.stdout
     assert "C++ compiler for DeepSpeed's own ops: none ('c++' not found)" in out.stdout
     env["DS_ACCELERATOR"] = "nonsense"
-    out = subprocess.run([sys.executable, "-c", "from nbdist.strategies.deepspeed import "
+    out = subprocess.run([sys.executable, "-c", "from nbdist.strategies.deepspeed_doctor import "
                           "doctor_lines; print(doctor_lines()[0])"], capture_output=True,
                          text=True, timeout=120, env=env)
     assert "installed, but importing it failed here (ValueError: DS_ACCELERATOR must be" in out.stdout
@@ -248,7 +248,8 @@ def test_doctor_says_what_deepspeed_would_pick_and_whether_a_compiler_is_there()
 
 def test_doctor_without_deepspeed(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)
-    assert strategies.deepspeed.doctor_lines() == [
+    from nbdist.strategies.deepspeed_doctor import doctor_lines
+    assert doctor_lines() == [
         "DeepSpeed: not installed (optional: pip install nbdist[deepspeed])"]
     assert "deepspeed" not in sys.modules or sys.modules["deepspeed"] is None
 

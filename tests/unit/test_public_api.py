@@ -43,8 +43,8 @@ API = {
         "check_plan", "describe", "device_mesh", "factorizations", "mesh_ranks", "pipeline",
         "tensor_parallel",
     ],
-    "nbdist.lightning": ["FitResult", "NbdistEnvironment", "fit", "install_hooks", "prepare",
-                         "warm"],
+    "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
+                         "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
                   "memory_panel", "watch"],
 }
