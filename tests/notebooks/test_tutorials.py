@@ -108,3 +108,23 @@ def test_watch_live(tmp_path):
     assert "the kernel is free: 45" in out[4] and "busy: the group is busy" in out[4]
     assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
     assert "slowest data: rank 1" in out[7] and "straggler: rank 1 (compute" in out[7]
+
+
+def test_zero_three_ways(tmp_path):
+    pytest.importorskip("deepspeed")
+    pytest.importorskip("fairscale")
+    nb, out = run_notebook("09_zero_three_ways.ipynb", tmp_path)
+    names = ("zero1", "fairscale_oss", "deepspeed_zero1", "fsdp_grad_op", "fairscale_sharded",
+             "deepspeed_zero2", "fsdp", "deepspeed_zero3")
+    assert "263,168 parameters on 2 ranks" in out[0]
+    assert "all eight agree with one process within 1e-5: True" in out[2]
+
+    def rows(text, col):
+        return [line.split()[col] for line in text.splitlines() if len(line.split()) > col]
+    for name in names:  # a row in the loss table, the memory report and the step-time table
+        assert name in rows(out[2], 0) and name in rows(out[3], 0) and name in rows(out[5], 1)
+    assert "DeepSpeed keeps an fp32 master copy" in out[3]
+    assert "DeepSpeed's stage-3 reduce bucket" in out[3]
+    assert "vs torch" in out[5] and "wrap (s)" in out[5]
+    kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert any("image/png" in k for k in kinds)  # the memory plot
