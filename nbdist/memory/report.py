@@ -231,17 +231,28 @@ _ESTIMATE_COLUMNS = [Column("strategy", kind="text"), Column("stage", kind="text
 
 
 def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
-                   precision: str = "fp32", optimizer: str = "adam") -> TableView:
+                   precision: str = "fp32", optimizer: str = "adam", **parallel) -> TableView:
     """:func:`estimate` for each strategy as a table, with the formulas used under it.
+
+    ``parallel``: :func:`estimate`'s keyword options (``tp``, ``pp``, ``replicated``,
+    ``transformer``, ``sequence_parallel``, ``recompute``, ``microbatches``, ``schedule``);
+    with ``transformer=`` an ``activations`` column, and the assumptions under the table.
 
     ``str()`` of the result is the plain-text table (``print`` it in a terminal); a notebook
     shows it as HTML. All sizes are in one decimal unit, named in the headers.
     """
     rows, formulas = [], []
     for name in strategies:
-        e = estimate(num_params, world_size, name, precision, optimizer)
-        rows.append({"strategy": name, "stage": "PP" if name == "pp" else _STAGES[e.stage],
-                     "params": e.params,
-                     "grads": e.grads, "optimizer": e.optimizer_state, "total": e.total})
+        e = estimate(num_params, world_size, name, precision, optimizer, **parallel)
+        stage = "PP" if name == "pp" and e.tp == 1 else _STAGES[e.stage]
+        if e.tp > 1 or e.pp > 1:
+            stage = f"{stage}, tp={e.tp}, pp={e.pp}, dp={e.dp}"
+        rows.append({"strategy": name, "stage": stage, "params": e.params, "grads": e.grads,
+                     "optimizer": e.optimizer_state, "total": e.total,
+                     "activations": e.activations})
         formulas.append(f"{name}: {e.formula}")
-    return TableView(rows, _ESTIMATE_COLUMNS, formulas)
+    columns = list(_ESTIMATE_COLUMNS)
+    if any(r["activations"] is not None for r in rows):
+        columns.append(Column("activations", "activations", "bytes_si"))
+        formulas.append(e.assumptions)
+    return TableView(rows, columns, formulas)
