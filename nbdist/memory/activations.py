@@ -139,3 +139,36 @@ def activations(shape: Transformer, tp: int = 1, pp: int = 1, sequence_parallel:
             "16-bit activations, 1-byte dropout masks, MLP 4h, attention scores stored; "
             "embeddings, output layer and loss not counted)")
     return total, text
+
+
+_KEYS = {"L": "layers", "h": "hidden", "a": "heads", "s": "seq_len", "b": "micro_batch"}
+
+
+def transformer_spec(text: str) -> Transformer:
+    """``"L=32,h=4096,a=32,s=2048,b=1"`` (``b`` optional) -> a :class:`Transformer`."""
+    values = {}
+    for item in (x.strip() for x in str(text).split(",") if x.strip()):
+        key, _, value = item.partition("=")
+        if key.strip() not in _KEYS or not value.strip().isdigit():
+            raise ValueError(f"--transformer takes L=LAYERS,h=HIDDEN,a=HEADS,s=SEQ_LEN[,b=MICRO_"
+                             f"BATCH] (e.g. L=32,h=4096,a=32,s=2048,b=1), got {text!r}")
+        values[_KEYS[key.strip()]] = int(value)
+    missing = [k for k, v in _KEYS.items() if v not in values and k != "b"]
+    if missing:
+        raise ValueError(f"--transformer {text!r} lacks {', '.join(missing)} (L=LAYERS,h=HIDDEN,"
+                         "a=HEADS,s=SEQ_LEN[,b=MICRO_BATCH])")
+    return Transformer(**values)
+
+
+def estimate_options(tp=None, pp=None, transformer=None, sequence_parallel=False,
+                     recompute=None, microbatches=None, schedule="1f1b") -> dict:
+    """The command-line options of ``nbdist mem`` / ``%dist_mem`` as :func:`estimate` keywords
+    (only those given; ``transformer`` as text for :func:`transformer_spec`)."""
+    out = {k: v for k, v in dict(tp=tp, pp=pp, recompute=recompute,
+                                 microbatches=microbatches).items() if v is not None}
+    if transformer:
+        out["transformer"] = transformer_spec(transformer)
+        out["schedule"] = schedule
+    if sequence_parallel:
+        out["sequence_parallel"] = True
+    return out

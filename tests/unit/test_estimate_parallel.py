@@ -92,3 +92,26 @@ def test_mesh_formulas_from_the_split():
     assert memory.mesh_estimate("hsdp", dict(split, tp=1), 4).total == 16 * (6560 // 2)
     with pytest.raises(ValueError, match="mesh_estimate\\(\\) knows tp, fsdp2\\+tp, hsdp"):
         memory.mesh_estimate("ddp", split, 2)
+
+
+def test_cli_estimates_with_tp_pp_and_activations(capsys):
+    assert memory.cli(["--model", "7.5B", "-n", "64", "--strategies", "ddp,fsdp", "--tp", "8",
+                       "--pp", "2", "--transformer", "L=32,h=4096,a=32,s=2048",
+                       "--sequence-parallel"]) == 0
+    out = capsys.readouterr().out
+    assert "ZeRO-3, tp=8, pp=2, dp=4" in out and "activations (GB)" in out
+    assert "119,537,664 B per layer" in out and "x 2 microbatches in flight (1f1b" in out
+
+
+@pytest.mark.parametrize("argv,text", [
+    (["--model", "7.5B", "-n", "64", "--tp", "3"], "tp x pp = 3 x 1 = 3 does not divide"),
+    (["--model", "7.5B", "-n", "8", "--tp", "4", "--transformer", "L=2,h=12,a=6,s=8"],
+     "tp=4 does not divide the 6 attention heads"),
+    (["--model", "7.5B", "--transformer", "L=2,h=12"], "lacks a, s"),
+    (["--model", "7.5B", "--transformer", "layers=2"], "--transformer takes L=LAYERS"),
+    (["--model", "mlp:2x8", "--tp", "2"], "apply to the estimate: give a parameter count"),
+])
+def test_cli_explains_bad_tp_and_pp(argv, text, capsys):
+    with pytest.raises(SystemExit) as info:
+        memory.cli(argv)
+    assert info.value.code == 2 and text in capsys.readouterr().err
