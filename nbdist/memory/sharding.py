@@ -132,7 +132,7 @@ def mesh_estimate(strategy: str, split: Dict[str, Any], world_size: int, precisi
 
 def explain(rec, est: Estimate, split: Dict[str, Any]) -> list:
     """Notes: the split in words, and the difference from the formula to the byte."""
-    from .accounting import human_bytes
+    from ..report.units import human_bytes
 
     sh, rp = split["sharded"], split["replicated"]
     notes = [f"rank {rec.rank}: sharded {human_bytes(sh['params'] + sh['grads'] + sh['optimizer'])}"
