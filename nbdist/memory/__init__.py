@@ -21,18 +21,27 @@
 Under ``"pp"`` (pipeline stages, :mod:`nbdist.memory.pipeline`) each rank holds its stage's
 layers; its figures are compared with "PP: the stage's layers" (``nbdist.memory.formulas.stage_estimate``).
 
+Under ``"tp"``, ``"fsdp2+tp"`` and ``"hsdp"`` each rank's params, grads and optimizer state are
+split into **sharded** and **replicated** local bytes (DTensor shards, :mod:`nbdist.memory.sharding`)
+and compared with TP: Ψ_s/tp + Ψ_r, 2-D: Ψ_s/(dp·tp) + Ψ_r/dp, HSDP: Ψ/dp_shard, from the model's
+actual split (:func:`mesh_estimate`).
+
 :func:`estimate` gives the analytic figures of the ZeRO paper (Rajbhandari et al., 2020) for any
-world size -- how to plan a cluster from a laptop. This module imports no matplotlib or IPython;
+world size -- how to plan a cluster from a laptop -- and, with ``tp=``/``pp=``, Megatron-LM's
+model-parallel share of them; with ``transformer=`` (:class:`Transformer`) the activations per
+Korthikanti et al. 2022 (:mod:`nbdist.memory.activations`). This module imports no matplotlib or IPython;
 :meth:`MemoryReport.plot` imports :mod:`nbdist.ui.plots.memory` when called.
 """
 from __future__ import annotations
 
 from .accounting import human_bytes, unit_for
+from .activations import Transformer
 from .command import cli
 from .formulas import (OPTIMIZERS, Estimate, EstimateCurve, count_params, estimate, estimate_curve,
                        mlp, model_spec, parse_count)
 from .report import MemoryRecord, MemoryReport, estimate_table, measure
+from .sharding import mesh_estimate
 
-__all__ = ["OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "cli", "count_params",
-           "estimate", "estimate_curve", "estimate_table", "human_bytes", "measure", "mlp", "model_spec",
-           "parse_count", "unit_for"]
+__all__ = ["OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "Transformer",
+           "cli", "count_params", "estimate", "estimate_curve", "estimate_table", "human_bytes",
+           "measure", "mesh_estimate", "mlp", "model_spec", "parse_count", "unit_for"]

@@ -161,6 +161,9 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
     ignore = set(base) | set(params) | set(grads) | set(state) | {_key(x), _key(out)}
     other = sum(v for k, v in _gc_storages().items() if k not in ignore)
     notes = _rank_notes(model, grads) + _deepspeed_notes(opt, precision, sum(grads.values()))
+    from .sharding import MESHED, split_on_rank
+
+    split = split_on_rank(model, opt, name) if name in MESHED else None
     del model, opt, out, x, known, prof
     rss = _trim_and_rss()
     src = ("exact (CUDA caching allocator, max_memory_allocated)" if cuda else
@@ -170,7 +173,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
                 device=str(device), num_params=num_params, params=sum(params.values()),
                 grads=sum(grads.values()), optimizer=sum(state.values()), other=other,
                 in_flight=in_flight, peak=peak if (cuda or profile) else None, rss=rss,
-                rss_base=rss_base, notes=notes, accuracy=dict(
+                rss_base=rss_base, notes=notes, split=split, accuracy=dict(
                     params="exact", grads="exact", optimizer="exact",
                     other="exact for Python-visible tensors; C++-only buffers not seen",
                     in_flight="exact for Python-visible tensors (activations included)",

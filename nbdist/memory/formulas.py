@@ -32,11 +32,21 @@ class Estimate:
     grads: int
     optimizer_state: int
     formula: str
+    tp: int = 1  #: tensor-parallel size
+    pp: int = 1  #: pipeline stages
+    #: activation bytes on the first pipeline stage's ranks (``None`` without ``transformer=``)
+    activations: Optional[int] = None
+    assumptions: str = ""  #: how ``activations`` was computed, and from what
 
     @property
     def total(self) -> int:
-        """params + grads + optimizer state, in bytes."""
+        """params + grads + optimizer state, in bytes (the model state; activations apart)."""
         return self.params + self.grads + self.optimizer_state
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel size: world_size / (tp x pp)."""
+        return self.world_size // (self.tp * self.pp)
 
 
 def count_params(model: nn.Module) -> int:
@@ -55,7 +65,10 @@ def parse_count(text: Union[str, int, float]) -> int:
 
 def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size: int,
              strategy: Union[str, int], precision: str = "fp32",
-             optimizer: str = "adam") -> Estimate:
+             optimizer: str = "adam", *, tp: Optional[int] = None, pp: Optional[int] = None,
+             replicated: int = 0, transformer=None, sequence_parallel: bool = False,
+             recompute: Optional[str] = None, microbatches: Optional[int] = None,
+             schedule: str = "1f1b") -> Estimate:
     """Per-rank bytes of params, grads and optimizer state under ZeRO stage ``strategy``.
 
     ``strategy`` is a registered strategy name (its ZeRO stage is used) or a stage 0-3. With
@@ -72,8 +85,26 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
     ``optimizer="momentum"`` (SGD with momentum) has K=4 in fp32 and 8 mixed; plain ``"sgd"`` 0 and
     4 (the fp32 master copy).
 
-    Sharded parts use ceil(Ψ/N) parameters per rank. Activations, buffers and temporaries are not
-    part of the formulas.
+    Sharded parts use ceil(Ψ/N) parameters per rank. Buffers and temporaries are not part of the
+    formulas.
+
+    **Model parallel** (``tp=``, ``pp=``; Megatron-LM's 3-D layout, Narayanan et al. 2021): the
+    world is ``dp x tp x pp`` ranks. Tensor parallel splits the layers' weights over tp
+    (Shoeybi et al. 2019) except ``replicated`` parameters (norms, row-parallel biases: whole on
+    every tp rank; default 0), a pipeline stage holds 1/pp of the layers, and ``strategy``'s ZeRO
+    stage then applies over the dp ranks with N = dp to the rank's share::
+
+        Ψ' = ((Ψ - Ψ_r)/tp + Ψ_r)/pp        stage formula above with Ψ', N = dp
+
+    ``tp`` defaults to the world (over pp) for the strategy ``"tp"`` and to 1 otherwise; ``pp``
+    to the world (over tp) for ``"pp"`` and to 1 otherwise. tp x pp must divide world_size.
+
+    **Activations** (``transformer=Transformer(layers, hidden, heads, seq_len, micro_batch)``):
+    per layer per Korthikanti et al. 2022 (:mod:`nbdist.memory.activations`: 16-bit, MLP 4h,
+    attention scores stored), ``sequence_parallel`` and ``recompute`` (``"selective"``,
+    ``"full"``) as in the paper, times L/pp layers, times the microbatches the first stage holds
+    (1F1B: ``min(pp, microbatches)``; ``schedule="gpipe"``: all ``microbatches``). They are in
+    ``Estimate.activations``, apart from ``total``; ``assumptions`` says how.
     """
     if isinstance(model_or_num_params, nn.Module):
         num = count_params(model_or_num_params)
@@ -94,9 +125,60 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
                          f"got {precision!r}")
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer must be one of {', '.join(OPTIMIZERS)}, got {optimizer!r}")
-    if name == "pp":
+    if name == "pp" and tp is None and pp is None and transformer is None:
         return stage_estimate(math.ceil(num / world_size), num, world_size, precision, optimizer,
                               "an even split over N ranks: Ψ_stage ≈ Ψ/N")
+    tp, pp = _model_parallel(name, world_size, tp, pp)
+    acts, assumptions = None, ""
+    if transformer is not None:
+        from .activations import Transformer, activations
+
+        if not isinstance(transformer, Transformer):
+            raise TypeError(f"transformer must be an nbdist.memory.Transformer(layers, hidden, "
+                            f"heads, seq_len, micro_batch), got {type(transformer).__name__}")
+        acts, assumptions = activations(transformer, tp, pp, sequence_parallel, recompute,
+                                        microbatches, schedule)
+    if tp > 1 or pp > 1:
+        if isinstance(replicated, bool) or not isinstance(replicated, int) or \
+                not 0 <= replicated <= num:
+            raise ValueError(f"replicated must be a parameter count from 0 to Ψ={num:,}, got "
+                             f"{replicated!r}")
+        local = math.ceil((math.ceil((num - replicated) / tp) + replicated) / pp)
+        dp = world_size // (tp * pp)
+        base = _zero(local, dp, stage, precision, optimizer)
+        formula = (f"Ψ' = ((Ψ - Ψ_r)/tp + Ψ_r)/pp = {local:,} per rank (Megatron-LM: TP, Shoeybi "
+                   f"et al. 2019; PP, Narayanan et al. 2021; Ψ={num:,}, Ψ_r={replicated:,}, "
+                   f"tp={tp}, pp={pp}), then over dp={dp}: "
+                   + base[3].replace("Ψ", "Ψ'").replace(f"Ψ'={local:,}, N={dp}", f"N=dp={dp}"))
+        return Estimate(num, world_size, name, stage, precision, optimizer, *base[:3], formula,
+                        tp, pp, acts, assumptions)
+    params, grads, state, formula = _zero(num, world_size, stage, precision, optimizer)
+    return Estimate(num, world_size, name, stage, precision, optimizer, params, grads, state,
+                    formula, tp, pp, acts, assumptions)
+
+
+def _model_parallel(name: str, world_size: int, tp: Optional[int], pp: Optional[int]) -> tuple:
+    """``(tp, pp)`` with their defaults, checked against the world size."""
+    for label, value in (("tp", tp), ("pp", pp)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
+                                  or value < 1):
+            raise ValueError(f"{label} must be a positive int, got {value!r}")
+    if tp is None:
+        tp = world_size // (pp or 1) if name == "tp" else 1
+    if pp is None:
+        pp = world_size // tp if name == "pp" else 1
+    if world_size % (tp * pp):
+        valid = [(t, world_size // t // q, q) for t in range(1, world_size + 1)
+                 for q in range(1, world_size + 1) if world_size % (t * q) == 0][:8]
+        raise ValueError(f"tp x pp = {tp} x {pp} = {tp * pp} does not divide world_size="
+                         f"{world_size}: the world is dp x tp x pp ranks. Some that fit "
+                         f"{world_size} ranks (tp, dp, pp): "
+                         + ", ".join(f"({t}, {d}, {q})" for t, d, q in valid))
+    return tp, pp
+
+
+def _zero(num: int, world_size: int, stage: int, precision: str, optimizer: str) -> tuple:
+    """``(params, grads, optimizer state, formula)`` bytes of ZeRO ``stage``."""
     p = g = 4 if precision == "fp32" else 2
     k = OPTIMIZERS[optimizer][0 if precision == "fp32" else 1]
     shard = math.ceil(num / world_size)
@@ -110,8 +192,7 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
                                    if full < p + g + k else "") if x)
     formula = (f"{_STAGES[stage]}: {' + '.join(terms)} = {short} (ZeRO paper; {precision} "
                f"{optimizer}: P={p}, G={g}, K={k} bytes per parameter; Ψ={num:,}, N={world_size})")
-    return Estimate(num, world_size, name, stage, precision, optimizer, params, grads, state,
-                    formula)
+    return params, grads, state, formula
 
 
 def stage_estimate(stage_params: int, num_params: int, world_size: int, precision: str = "fp32",
@@ -175,12 +256,16 @@ class EstimateCurve:
 
 def estimate_curve(num_params, strategies: Sequence[str] = ("ddp", "zero1", "fsdp_grad_op", "fsdp"),
                    world_sizes: Optional[Sequence[int]] = None, precision: str = "fp32",
-                   optimizer: str = "adam") -> EstimateCurve:
-    """Per-rank model-state bytes of each strategy for each world size (default 1, 2, 4 ... 4096)."""
+                   optimizer: str = "adam", **parallel) -> EstimateCurve:
+    """Per-rank model-state bytes of each strategy for each world size (default 1, 2, 4 ... 4096).
+
+    ``parallel``: :func:`estimate`'s ``tp=``, ``pp=``, ``replicated=`` (world sizes that tp x pp
+    does not divide raise ``ValueError``)."""
     if not strategies:
         raise ValueError("estimate_curve() needs at least one strategy name, e.g. ['ddp', 'fsdp']")
     sizes = list(world_sizes or [2 ** i for i in range(13)])
     psi = estimate(num_params, 1, 0, precision, optimizer).num_params
     return EstimateCurve(psi, precision, optimizer, sizes, {
-        name: [estimate(num_params, n, name, precision, optimizer).total for n in sizes]
+        name: [estimate(num_params, n, name, precision, optimizer, **parallel).total
+               for n in sizes]
         for name in strategies})

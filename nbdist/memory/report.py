@@ -15,6 +15,7 @@ from . import pipeline as _pipeline
 from ..report.table import Column, TableView
 from .accounting import human_bytes
 from .formulas import _STAGES, Estimate, estimate, stage_estimate
+from .sharding import explain as _explain_split, mesh_estimate
 
 @dataclass
 class MemoryRecord:
@@ -47,6 +48,22 @@ class MemoryRecord:
     formula: str = ""
     local_params: Optional[int] = None  #: parameters of this rank's pipeline stage(s) ("pp")
     layers: str = ""  #: the layers this rank holds ("pp"), e.g. "stage 0: layers 0-3"
+    #: ``tp``/``fsdp2+tp``/``hsdp``: local bytes per class (:func:`nbdist.memory.sharding.split_on_rank`)
+    split: Optional[Dict[str, Any]] = None
+
+    @property
+    def sharded(self) -> Optional[int]:
+        """Local bytes of params + grads + optimizer state of the parameters the plan (or FSDP2
+        under ``hsdp``) shards; ``None`` outside the mesh strategies."""
+        return None if self.split is None else sum(
+            self.split["sharded"][k] for k in ("params", "grads", "optimizer"))
+
+    @property
+    def replicated(self) -> Optional[int]:
+        """The same for the parameters whole on every tensor-parallel rank (norms, Rowwise
+        biases, layers left out of the plan); under ``fsdp2+tp`` FSDP2 shards them over dp."""
+        return None if self.split is None else sum(
+            self.split["replicated"][k] for k in ("params", "grads", "optimizer"))
 
     @property
     def model_state(self) -> int:
@@ -60,14 +77,15 @@ class MemoryRecord:
 
 
 _STATE = [("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
-          ("model_state", "state"), ("estimate", "estimate")]
+          ("model_state", "state"), ("estimate", "estimate"), ("sharded", "sharded"),
+          ("replicated", "replicated")]
 _COLUMNS = ([Column("strategy", kind="text"), Column("rank", kind="number")]
             + [Column(key, name, "bytes_si", group="state") for key, name in _STATE]
             + [Column("diff", kind="fraction", decimals=1, signed=True)]
             + [Column(key, name, "bytes_si") for key, name in (
                 ("other", "other"), ("in_flight", "in-flight"), ("peak", "peak"), ("rss", "rss"))])
-_BYTES = ("params", "grads", "optimizer", "model_state", "estimate", "other", "in_flight", "peak",
-          "rss", "rss_base")
+_BYTES = ("params", "grads", "optimizer", "model_state", "estimate", "sharded", "replicated",
+          "other", "in_flight", "peak", "rss", "rss_base")
 
 
 class MemoryReport(list):
@@ -80,7 +98,7 @@ class MemoryReport(list):
 
     def _view(self) -> TableView:
         notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 or r.local_params is not None
-                 for note in r.notes]
+                 or r.split is not None for note in r.notes]
         return TableView(self.to_dicts(), _COLUMNS, notes)
 
     def table(self) -> str:
@@ -96,7 +114,8 @@ class MemoryReport(list):
 
     def to_dicts(self) -> List[Dict[str, Any]]:
         """The records as plain dicts (for JSON or ``pandas.DataFrame``); sizes in bytes."""
-        return [dict(asdict(r), model_state=r.model_state, diff=r.diff) for r in self]
+        return [dict(asdict(r), model_state=r.model_state, diff=r.diff, sharded=r.sharded,
+                     replicated=r.replicated) for r in self]
 
     def _flat(self) -> List[Dict[str, Any]]:
         """One flat row per record, the unit in the name: ``params_bytes``, ``rss_bytes``..."""
@@ -175,13 +194,16 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
         for out in group.run(on_rank, model_fn, name, optimizer, steps, batch,
                              precision, profile, input_fn, dict((options or {}).get(name, {}))):
             rec = MemoryRecord(**out)
-            if rec.local_params is not None:
+            if rec.split is not None:
+                est = mesh_estimate(name, rec.split, rec.world_size, precision, optimizer)
+            elif rec.local_params is not None:
                 est = stage_estimate(rec.local_params, rec.num_params, rec.world_size, precision,
                                      optimizer, rec.layers)
             else:
                 est = estimate(rec.num_params, rec.world_size, name, precision, optimizer)
             rec.estimate, rec.formula = est.total, est.formula
-            rec.notes = _explain(rec, est) + rec.notes
+            rec.notes = (_explain_split(rec, est, rec.split) if rec.split is not None
+                         else _explain(rec, est)) + rec.notes
             if rec.local_params is not None:  # pp: each rank's stage is its own formula
                 rec.notes.insert(0, f"rank {rec.rank}: {est.formula}")
             report.append(rec)
@@ -209,17 +231,28 @@ _ESTIMATE_COLUMNS = [Column("strategy", kind="text"), Column("stage", kind="text
 
 
 def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
-                   precision: str = "fp32", optimizer: str = "adam") -> TableView:
+                   precision: str = "fp32", optimizer: str = "adam", **parallel) -> TableView:
     """:func:`estimate` for each strategy as a table, with the formulas used under it.
+
+    ``parallel``: :func:`estimate`'s keyword options (``tp``, ``pp``, ``replicated``,
+    ``transformer``, ``sequence_parallel``, ``recompute``, ``microbatches``, ``schedule``);
+    with ``transformer=`` an ``activations`` column, and the assumptions under the table.
 
     ``str()`` of the result is the plain-text table (``print`` it in a terminal); a notebook
     shows it as HTML. All sizes are in one decimal unit, named in the headers.
     """
     rows, formulas = [], []
     for name in strategies:
-        e = estimate(num_params, world_size, name, precision, optimizer)
-        rows.append({"strategy": name, "stage": "PP" if name == "pp" else _STAGES[e.stage],
-                     "params": e.params,
-                     "grads": e.grads, "optimizer": e.optimizer_state, "total": e.total})
+        e = estimate(num_params, world_size, name, precision, optimizer, **parallel)
+        stage = "PP" if name == "pp" and e.tp == 1 else _STAGES[e.stage]
+        if e.tp > 1 or e.pp > 1:
+            stage = f"{stage}, tp={e.tp}, pp={e.pp}, dp={e.dp}"
+        rows.append({"strategy": name, "stage": stage, "params": e.params, "grads": e.grads,
+                     "optimizer": e.optimizer_state, "total": e.total,
+                     "activations": e.activations})
         formulas.append(f"{name}: {e.formula}")
-    return TableView(rows, _ESTIMATE_COLUMNS, formulas)
+    columns = list(_ESTIMATE_COLUMNS)
+    if any(r["activations"] is not None for r in rows):
+        columns.append(Column("activations", "activations", "bytes_si"))
+        formulas.append(e.assumptions)
+    return TableView(rows, columns, formulas)

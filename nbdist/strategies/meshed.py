@@ -19,11 +19,11 @@ The optimizer gets the parameters in one param group per mesh they live on (and 
 tensors), so torch's foreach optimizers never mix a DTensor with a tensor in one kernel.
 
 ZeRO stage for the formulas (``Strategy.zero_stage``, used by :func:`nbdist.memory.estimate`):
-3 for all three -- parameters, gradients and optimizer state of the sharded layers are split over
-the ranks that share them: the whole world for ``tp`` and ``fsdp2+tp`` (tp, or dp x tp), the
-``dp_shard`` group for ``hsdp`` (the estimate's N is then the shard size, not the world).
-Replicated pieces (norms, biases of Rowwise layers, layers the plan leaves out) are whole on every
-tp rank, which the ZeRO-3 formula does not count.
+3 for all three. That is only the estimate of a bare parameter count (Ψ/N, N the world;
+``estimate(..., tp=)`` gives the model-parallel share). :func:`nbdist.memory.measure` compares
+each rank with formulas from the model's actual split instead (:mod:`nbdist.memory.sharding`):
+TP Ψ_s/tp + Ψ_r, 2-D Ψ_s/(dp·tp) + Ψ_r/dp, HSDP Ψ/dp_shard, where Ψ_r counts the replicated
+pieces (norms, biases of Rowwise layers, layers the plan leaves out) whole on every tp rank.
 """
 from __future__ import annotations
 

@@ -29,9 +29,9 @@ API = {
         "summarize", "trace",
     ],
     "nbdist.memory": [
-        "OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "cli",
-        "count_params", "estimate", "estimate_curve", "estimate_table", "human_bytes", "measure",
-        "mlp", "model_spec", "parse_count", "unit_for",
+        "OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "Transformer",
+        "cli", "count_params", "estimate", "estimate_curve", "estimate_table", "human_bytes",
+        "measure", "mesh_estimate", "mlp", "model_spec", "parse_count", "unit_for",
     ],
     "nbdist.strategies": [
         "DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy",

@@ -32,6 +32,12 @@ class MemoryMagics(NbdistMagics):
               help="world sizes for the estimate plot of a parameter count")
     @argument("--profile", action="store_true", help="measure the step's peak (CPU profiler)")
     @argument("--no-plot", action="store_true", help="table only")
+    @argument("--tp", type=_positive(int), help="estimate: tensor-parallel size")
+    @argument("--pp", type=_positive(int), help="estimate: pipeline stages")
+    @argument("--transformer", metavar="L=..,h=..,a=..,s=..[,b=..]",
+              help="estimate: transformer shape for the activations (Korthikanti et al. 2022)")
+    @argument("--sequence-parallel", action="store_true", help="estimate: with SP")
+    @argument("--microbatches", type=_positive(int), help="estimate: microbatches per step")
     def dist_mem(self, line: str = ""):
         """Train a few steps under each strategy on the current group and show each rank's
         params / grads / optimizer state against the ZeRO estimate (table and stacked bars).
@@ -46,15 +52,23 @@ class MemoryMagics(NbdistMagics):
         model = self.shell.user_ns.get(args.model)
         try:
             spec = model if callable(model) else memory.model_spec(args.model)
+            extra = memory.activations.estimate_options(
+                args.tp, args.pp, args.transformer, args.sequence_parallel,
+                microbatches=args.microbatches)
             if isinstance(spec, int):
                 sizes = args.world_sizes
                 for n in sizes:
-                    display(memory.estimate_table(spec, n, names, args.precision, args.optimizer))
+                    display(memory.estimate_table(spec, n, names, args.precision, args.optimizer,
+                                                  **extra))
                 if not args.no_plot:
-                    _show_figure(memory.estimate_curve(spec, names, sizes,
-                                                       precision=args.precision,
-                                                       optimizer=args.optimizer).plot())
+                    _show_figure(memory.estimate_curve(
+                        spec, names, sizes, precision=args.precision, optimizer=args.optimizer,
+                        **{k: v for k, v in extra.items() if k in ("tp", "pp")}).plot())
                 return None
+            if extra:
+                raise ValueError("--tp, --pp, --transformer, --sequence-parallel and "
+                                 "--microbatches apply to the estimate of a parameter count "
+                                 "(e.g. --model 7.5B)")
             report = memory.measure(self.group, spec, names, args.optimizer, args.steps,
                                     args.batch, precision=args.precision, profile=args.profile)
         except (ValueError, TypeError) as err:
