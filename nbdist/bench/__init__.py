@@ -18,10 +18,12 @@ method is described in :mod:`nbdist.bench.ops`. This package imports neither mat
 IPython; plots are drawn by :mod:`nbdist.ui.plots.collectives` when asked for.
 """
 from .command import cli
+from .expected import expected_traffic
 from .records import FIELDS, Records, Table
 from .sweep import DEFAULT_SIZES, collectives, compare, memcpy_bandwidth, summarize
 from .steps import step
 from .trace import Summary, Trace, trace
+from .traffic import Traffic, traffic
 from .units import (OPS, bandwidths, bus_factor, format_bytes, format_rate, format_time,
                     parse_ops, parse_size, parse_sizes)
 
@@ -33,11 +35,13 @@ __all__ = sorted([
     "Summary",
     "Table",
     "Trace",
+    "Traffic",
     "bandwidths",
     "bus_factor",
     "cli",
     "collectives",
     "compare",
+    "expected_traffic",
     "format_bytes",
     "format_rate",
     "format_time",
@@ -48,4 +52,5 @@ __all__ = sorted([
     "step",
     "summarize",
     "trace",
+    "traffic",
 ])
