@@ -113,3 +113,28 @@ def test_outside_the_ranks_and_unknown_strategies():
     with pytest.raises(NotImplementedError, match="does not model sequence parallel"):
         bench.expected_traffic(make_model("block"), "tp", tokens=8, world_size=2,
                                sequence_parallel=True)
+
+
+@pytest.fixture(scope="module")
+def four(two):
+    two.stop()  # one group at a time on a small machine
+    with nbdist.start(4, backend="gloo", device="cpu", timeout=90) as g:
+        yield g
+
+
+class TestMesh:
+    def test_fsdp2_tp_on_a_2x2_mesh(self, four):
+        measured, table = check(four.run(measure, "fsdp2+tp", "block", tp=2))
+        ops = {(r["dim"], r["op"]) for r in table}
+        assert ops == {("tp", "all_reduce"), ("dp", "all_gather"), ("dp", "reduce_scatter")}
+        summary = {(r["dim"], r["op"]): r for r in measured.summary()}
+        rs = summary["dp", "reduce_scatter"]
+        assert rs["wire_bytes"] == pytest.approx(rs["bytes"])  # gloo: a whole all_reduce, 2(n-1)/n
+        nccl = {(r["dim"], r["op"]): r for r in table}["dp", "reduce_scatter"]["nccl_wire_bytes"]
+        assert rs["wire_bytes"] == pytest.approx(2 * nccl, rel=0.10)
+
+    def test_hsdp_on_a_2x2_mesh(self, four):
+        measured, table = check(four.run(measure, "hsdp", "block"))
+        assert {(r["dim"], r["op"]) for r in table} == {
+            ("dp_shard", "all_gather"), ("dp_shard", "reduce_scatter"),
+            ("dp_replicate", "all_reduce")}
