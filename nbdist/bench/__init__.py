@@ -13,6 +13,13 @@
         return tr
     tr = nbdist.bench.Trace.merge(g.run(step)); tr.summary(); tr.plot()
 
+    def measured():                              # on the ranks: bytes per mesh dimension
+        with nbdist.bench.traffic(mesh, steps=1) as t:
+            train_step()
+        return t
+    nbdist.bench.Traffic.merge(g.run(measured)).compare(
+        nbdist.bench.expected_traffic(model, "fsdp2+tp", tp=2, tokens=b * s, world_size=4))
+
 Records follow nccl-tests' definitions (algbw, busbw; see :mod:`nbdist.bench.units`); the timing
 method is described in :mod:`nbdist.bench.ops`. This package imports neither matplotlib nor
 IPython; plots are drawn by :mod:`nbdist.ui.plots.collectives` when asked for.
