@@ -13,15 +13,24 @@
         return tr
     tr = nbdist.bench.Trace.merge(g.run(step)); tr.summary(); tr.plot()
 
+    def measured():                              # on the ranks: bytes per mesh dimension
+        with nbdist.bench.traffic(mesh, steps=1) as t:
+            train_step()
+        return t
+    nbdist.bench.Traffic.merge(g.run(measured)).compare(
+        nbdist.bench.expected_traffic(model, "fsdp2+tp", tp=2, tokens=b * s, world_size=4))
+
 Records follow nccl-tests' definitions (algbw, busbw; see :mod:`nbdist.bench.units`); the timing
 method is described in :mod:`nbdist.bench.ops`. This package imports neither matplotlib nor
 IPython; plots are drawn by :mod:`nbdist.ui.plots.collectives` when asked for.
 """
 from .command import cli
+from .expected import expected_traffic
 from .records import FIELDS, Records, Table
 from .sweep import DEFAULT_SIZES, collectives, compare, memcpy_bandwidth, summarize
 from .steps import step
 from .trace import Summary, Trace, trace
+from .traffic import Traffic, traffic
 from .units import (OPS, bandwidths, bus_factor, format_bytes, format_rate, format_time,
                     parse_ops, parse_size, parse_sizes)
 
@@ -33,11 +42,13 @@ __all__ = sorted([
     "Summary",
     "Table",
     "Trace",
+    "Traffic",
     "bandwidths",
     "bus_factor",
     "cli",
     "collectives",
     "compare",
+    "expected_traffic",
     "format_bytes",
     "format_rate",
     "format_time",
@@ -48,4 +59,5 @@ __all__ = sorted([
     "step",
     "summarize",
     "trace",
+    "traffic",
 ])

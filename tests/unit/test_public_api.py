@@ -23,10 +23,10 @@ API = {
         "unregister_backend",
     ],
     "nbdist.bench": [
-        "DEFAULT_SIZES", "FIELDS", "OPS", "Records", "Summary", "Table", "Trace", "bandwidths",
-        "bus_factor", "cli", "collectives", "compare", "format_bytes", "format_rate",
-        "format_time", "memcpy_bandwidth", "parse_ops", "parse_size", "parse_sizes", "step",
-        "summarize", "trace",
+        "DEFAULT_SIZES", "FIELDS", "OPS", "Records", "Summary", "Table", "Trace", "Traffic",
+        "bandwidths", "bus_factor", "cli", "collectives", "compare", "expected_traffic",
+        "format_bytes", "format_rate", "format_time", "memcpy_bandwidth", "parse_ops",
+        "parse_size", "parse_sizes", "step", "summarize", "trace", "traffic",
     ],
     "nbdist.memory": [
         "OPTIMIZERS", "Estimate", "EstimateCurve", "MemoryRecord", "MemoryReport", "Transformer",

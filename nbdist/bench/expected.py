@@ -1,0 +1,154 @@
+"""The analytic traffic of a layer plan: what each mesh dimension should send per training step.
+
+:func:`expected_traffic` is arithmetic on the unwrapped model (it runs anywhere, the kernel too):
+per mesh dimension and collective, the calls and bytes (nccl-tests' size: the tensor of an
+all_reduce, the gathered output of an all_gather, the input of a reduce_scatter) of one forward
+and backward, per rank. The rules, for ``T`` tokens (batch x sequence) and ``e`` bytes per element:
+
+* **tensor parallel over** ``tp`` (Megatron-LM's pairs; Shoeybi et al. 2019, section 3): a
+  ``RowwiseParallel`` layer all-reduces its output in the forward (``T x out_features x e``), a
+  ``ColwiseParallel`` layer all-reduces the gradient of its input in the backward (``T x
+  in_features x e``) -- so q, k and v each have one -- unless it reads the model's input (no
+  module with parameters before it in module order), whose gradient is not computed. Nothing
+  else crosses ``tp``: the weights are
+  sharded, norms and Rowwise biases are replicated and their gradients equal on every rank.
+* **FSDP2 over** ``dp`` (or ``dp_shard``): each module that owns parameters is one
+  ``fully_shard`` group (as :mod:`nbdist.strategies` wraps them). Per group: one all_gather of its
+  parameters in the forward, one more in the backward when it reshards after the forward (the
+  default; never for the root), and one reduce_scatter of its gradients. The size is the group's
+  parameters as this rank holds them after tensor parallel, each padded along dimension 0 to a
+  multiple of the shard count, as FSDP2 pads them.
+* **HSDP**: the same over ``dp_shard``, plus one all_reduce per group across ``dp_replicate`` of
+  the reduce-scattered gradient (the group's size / ``dp_shard``).
+
+Sequence parallel (``sequence_parallel=True``) is not modelled: :func:`expected_traffic` says so.
+"""
+from __future__ import annotations
+
+from fnmatch import fnmatch
+from typing import Dict, List, Optional
+
+from .records import Table
+
+STRATEGIES = ("tp", "fsdp2+tp", "hsdp")
+
+
+def _named(model, key: str):
+    """The modules a plan key names, resolved as ``parallelize_module`` does (fnmatch per part)."""
+    found = [("", model)]
+    for token in [t for t in key.split(".") if t]:
+        found = [(f"{name}.{child_name}".lstrip("."), child) for name, mod in found
+                 for child_name, child in mod.named_children() if fnmatch(child_name, token)]
+    return found
+
+
+def _styles(model, plan) -> Dict[str, str]:
+    """``{module name: "colwise" | "rowwise" | other style name}`` for the plan's modules."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    out = {}
+    for key, style in plan.items():
+        kind = ("colwise" if isinstance(style, ColwiseParallel) else
+                "rowwise" if isinstance(style, RowwiseParallel) else type(style).__name__)
+        for name, _ in _named(model, key):
+            out[name] = kind
+    return out
+
+
+def _local_numel(shape, kind: Optional[str], name: str, tp: int) -> List[int]:
+    """The shape of a parameter on one tp rank."""
+    shape = list(shape)
+    if kind == "colwise":
+        shape[0] //= tp
+    elif kind == "rowwise" and name == "weight" and len(shape) > 1:
+        shape[1] //= tp
+    return shape
+
+
+def _fsdp_groups(model, styles: Dict[str, str], tp: int, shards: int, elt: int) -> List[Dict]:
+    """One entry per ``fully_shard`` group: ``bytes`` (padded, all shards) and ``root``."""
+    groups = []
+    for mod_name, module in model.named_modules():
+        params = list(module.named_parameters(recurse=False))
+        if not params:
+            continue
+        total = 0
+        for pname, p in params:
+            shape = _local_numel(p.shape, styles.get(mod_name), pname, tp)
+            rest = 1
+            for d in shape[1:]:
+                rest *= d
+            total += -(-shape[0] // shards) * shards * rest if shape else 1
+        groups.append({"bytes": total * elt, "root": module is model})
+    return groups
+
+
+def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
+                     tp: Optional[int] = None, dp_shard: Optional[int] = None, plan=None,
+                     sequence_parallel: bool = False, reshard_after_forward: bool = True,
+                     param_bytes: int = 4, activation_bytes: int = 4) -> Table:
+    """Per mesh dimension and op, the ``calls`` and ``bytes`` one training step (forward and
+    backward) should issue on each rank under ``strategy`` (see the module docstring for the
+    rules). Rows also carry ``ranks`` (the dimension's size). Compare with the measured
+    :class:`~nbdist.bench.Traffic` via ``traffic.compare(expected)``.
+
+    Args:
+        model: the model *before* wrapping (its full shapes); not changed.
+        strategy: ``"tp"``, ``"fsdp2+tp"`` or ``"hsdp"``, with the same options as
+            :func:`nbdist.strategies.wrap`: ``tp`` (fsdp2+tp, default 2), ``dp_shard`` (hsdp,
+            default half the world), ``plan`` (default :func:`nbdist.parallel.auto_plan`).
+        tokens: activations' rows per rank per step: batch x sequence (what one tp group sees).
+        world_size: the number of ranks.
+        param_bytes, activation_bytes: bytes per element of parameters/gradients and of
+            activations (4 for float32).
+    """
+    if strategy not in STRATEGIES:
+        raise ValueError(f"expected_traffic() knows the strategies {', '.join(STRATEGIES)}; got "
+                         f"{strategy!r}")
+    if sequence_parallel:
+        raise NotImplementedError("expected_traffic() does not model sequence parallel yet "
+                                  "(its all_gathers and reduce_scatters per norm region); "
+                                  "measure it with nbdist.bench.traffic() alone")
+    from ..parallel import MeshLayout, auto_plan
+
+    if strategy == "tp":
+        layout = MeshLayout(world_size, tp=world_size)
+    elif strategy == "fsdp2+tp":
+        layout = MeshLayout(world_size, dp=-1, tp=tp or 2)
+    else:
+        layout = MeshLayout(world_size, dp_replicate=-1,
+                            dp_shard=dp_shard or (world_size // 2 if world_size % 2 == 0
+                                                  else world_size))
+    sizes = dict(zip(layout.names, layout.shape))
+    rows: Dict[tuple, Dict] = {}
+
+    def add(dim, op, nbytes, calls=1):
+        if sizes.get(dim, 1) <= 1 or nbytes <= 0:
+            return
+        row = rows.setdefault((dim, op), {"dim": dim, "ranks": sizes[dim], "op": op,
+                                          "calls": 0, "bytes": 0})
+        row["calls"] += calls
+        row["bytes"] += nbytes * calls
+
+    ntp = sizes.get("tp", 1)
+    styles: Dict[str, str] = {}
+    if "tp" in sizes:
+        styles = _styles(model, plan if plan is not None else auto_plan(model))
+        before = False  # has a module with parameters run before this one (module order)?
+        for name, mod in model.named_modules():
+            kind = styles.get(name)
+            if kind == "rowwise":
+                add("tp", "all_reduce", tokens * mod.out_features * activation_bytes)
+            elif kind == "colwise" and before:
+                add("tp", "all_reduce", tokens * mod.in_features * activation_bytes)
+            before = before or any(True for _ in mod.parameters(recurse=False))
+    shard_dim = "dp" if "dp" in sizes else "dp_shard" if "dp_shard" in sizes else None
+    if shard_dim is not None:
+        shards = sizes[shard_dim]
+        for group in _fsdp_groups(model, styles, ntp, shards, param_bytes):
+            gathers = 2 if reshard_after_forward and not group["root"] else 1
+            add(shard_dim, "all_gather", group["bytes"], gathers)
+            add(shard_dim, "reduce_scatter", group["bytes"])
+            if "dp_replicate" in sizes:
+                add("dp_replicate", "all_reduce", group["bytes"] // shards)
+    return Table(rows[k] for k in sorted(rows))
