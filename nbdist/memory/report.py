@@ -99,7 +99,9 @@ class MemoryReport(list):
     def _view(self) -> TableView:
         notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 or r.local_params is not None
                  or r.split is not None for note in r.notes]
-        return TableView(self.to_dicts(), _COLUMNS, notes)
+        meshed = any(r.split is not None for r in self)  # sharded / replicated: tp, fsdp2+tp, hsdp
+        columns = [c for c in _COLUMNS if meshed or c.key not in ("sharded", "replicated")]
+        return TableView(self.to_dicts(), columns, notes)
 
     def table(self) -> str:
         """A plain-text table, each column in the unit of its header, then rank 0's notes per
