@@ -33,6 +33,10 @@ def optimizer_fn(name: str):
 
 
 def _key(t: torch.Tensor) -> tuple:
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    if isinstance(t, AsyncCollectiveTensor):  # a tp model's output (RowwiseParallel's all_reduce)
+        t = t.elem  # holds no storage of its own: the result's is the one to ignore
     s = t.untyped_storage()
     return (t.device.type, t.device.index, s.data_ptr(), s.nbytes())
 

@@ -38,6 +38,7 @@ The DeepSpeed strategies return ``(engine, optimizer)``: options go into the Dee
 The mesh strategies ``tp``, ``fsdp2+tp`` and ``hsdp`` (:mod:`nbdist.strategies.meshed`) build a
 named device mesh and tensor-parallel plans with :mod:`nbdist.parallel`: options ``tp=``,
 ``plan=``, ``sequence_parallel=``, ``dp_shard=``; an unknown option is refused by name.
+:func:`mesh_sizes` says which mesh a strategy builds on a world size (``None`` for the others).
 
 fairscale is an optional extra (``pip install nbdist[fairscale]``) and unmaintained upstream: its
 strategies are the legacy path, kept to compare with and to run older code; prefer the torch ones.
@@ -48,12 +49,13 @@ from __future__ import annotations
 from . import deepspeed, fairscale, meshed, native, registry
 from .deepspeed import DEEPSPEED_HINT, DeepSpeedOptimizer
 from .fairscale import FAIRSCALE_HINT
+from .meshed import mesh_sizes
 from .native import full_parameters
 from .registry import (PRECISIONS, Strategy, available_strategies, default_device, get_strategy,
                        register_strategy, wrap)
 
 __all__ = ["DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy", "available_strategies", "default_device",
-           "full_parameters", "get_strategy", "register_strategy", "wrap"]
+           "full_parameters", "get_strategy", "mesh_sizes", "register_strategy", "wrap"]
 
 register_strategy("ddp", native._wrap_ddp, "torch DistributedDataParallel, gradient_as_bucket_view=True; "
                   "all replicated (options -> DDP)", 0)
@@ -86,7 +88,7 @@ register_strategy("tp", meshed.wrap_tp, "tensor parallel over all ranks: Colwise
                   "pairs from nbdist.parallel.auto_plan or plan= (options: plan, "
                   "sequence_parallel); every rank gets the same batch", 3)
 register_strategy("fsdp2+tp", meshed.wrap_fsdp2_tp, "2-D mesh: tensor parallel over tp ranks, FSDP2 "
-                  "over dp (options: tp (default 2), plan, sequence_parallel, fully_shard's)", 3,
+                  "over dp (options: tp (default 2, the whole world when it is odd), plan, sequence_parallel, fully_shard's)", 3,
                   mixed_precision=True)
 register_strategy("hsdp", meshed.wrap_hsdp, "FSDP2 hybrid sharding: parameters sharded in groups of "
                   "dp_shard ranks (default half the world), replicated across them (options: "

@@ -6,13 +6,16 @@
   SequenceParallel norms).
 * ``fsdp2+tp``: a ``dp x tp`` mesh; tensor parallel inside each ``tp`` group, then FSDP2
   (``fully_shard``, per module that owns parameters, then the root) over ``dp``. Ranks of one
-  ``tp`` group get the same batch, ``dp`` groups different ones. Options: ``tp`` (default 2),
-  ``plan``, ``sequence_parallel``, and ``fully_shard``'s ``reshard_after_forward``,
-  ``mp_policy``, ``offload_policy``.
+  ``tp`` group get the same batch, ``dp`` groups different ones. Options: ``tp`` (default 2 on
+  an even world, else the whole world), ``plan``, ``sequence_parallel``, and ``fully_shard``'s
+  ``reshard_after_forward``, ``mp_policy``, ``offload_policy``.
 * ``hsdp``: FSDP2 on a 2-D ``dp_replicate x dp_shard`` mesh: parameters sharded inside each
   ``dp_shard`` group, the groups replicas of each other (gradients all-reduced across them).
   Every rank gets its own batch. Options: ``dp_shard`` (default: half the world when it is even,
   else the whole world) and ``fully_shard``'s options.
+
+:func:`mesh_sizes` says which mesh each strategy builds for a world size (the defaults live
+there; the launcher's strategy list and ``%dist_ui mesh`` show them).
 
 The model is changed in place (its layers become DTensor-sharded): build a fresh one per call.
 The optimizer gets the parameters in one param group per mesh they live on (and one for plain
@@ -27,7 +30,7 @@ pieces (norms, biases of Rowwise layers, layers the plan leaves out) whole on ev
 """
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +56,37 @@ def _size_option(name: str, option: str, value, world: int) -> int:
                          f"ranks; valid {option} sizes for {world} ranks: "
                          f"{', '.join(map(str, valid))}")
     return value
+
+
+def mesh_sizes(name: str, world_size: int, **options) -> Optional[Dict[str, int]]:
+    """The mesh strategy ``name`` builds on ``world_size`` ranks: sizes by dimension name,
+    outermost first; ``None`` for a strategy without a mesh (``ddp``, ``fsdp``...).
+
+    ``mesh_sizes("fsdp2+tp", 4)`` -> ``{"dp": 2, "tp": 2}``; ``mesh_sizes("hsdp", 4)`` ->
+    ``{"dp_replicate": 2, "dp_shard": 2}``; ``mesh_sizes("tp", 4)`` -> ``{"tp": 4}``;
+    ``mesh_sizes("pp", 4)`` -> ``{"pp": 4}`` (one pipeline stage per rank, or
+    ``stages_per_rank`` of them). The defaults are the ones :func:`nbdist.strategies.wrap` uses
+    (this function is where they live): ``fsdp2+tp`` takes ``tp=2`` on an even world, else the
+    whole world (``dp`` 1); ``hsdp`` takes ``dp_shard`` = half an even world, else the whole world
+    (``dp_replicate`` 1). ``tp=`` / ``dp_shard=`` in ``options`` choose otherwise and must divide
+    the world (``ValueError`` listing the valid sizes); the strategy's other options are ignored
+    here, so a strategy's whole options dict can be passed.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    even = world_size % 2 == 0
+    if name == "tp":
+        return {"tp": world_size}
+    if name == "pp":
+        return {"pp": world_size}
+    if name == "fsdp2+tp":
+        tp = _size_option(name, "tp", options.get("tp", 2 if even else world_size), world_size)
+        return {"dp": world_size // tp, "tp": tp}
+    if name == "hsdp":
+        shard = _size_option(name, "dp_shard", options.get(
+            "dp_shard", world_size // 2 if even else world_size), world_size)
+        return {"dp_replicate": world_size // shard, "dp_shard": shard}
+    return None
 
 
 def param_groups(model: nn.Module) -> List:
@@ -84,7 +118,8 @@ def _fully_shard(model: nn.Module, mesh, precision: str, options: Dict) -> None:
 def wrap_tp(model, optimizer_fn, device, precision, **options):
     """``tp``: tensor parallel over every rank."""
     _check_options("tp", options, _TP)
-    mesh = parallel.device_mesh(tp=dist.get_world_size(), device_type=device.type)
+    sizes = mesh_sizes("tp", dist.get_world_size())
+    mesh = parallel.device_mesh(**sizes, device_type=device.type)
     model = parallel.tensor_parallel(model.to(device), mesh["tp"], options.get("plan"),
                                      sequence_parallel=options.get("sequence_parallel", False))
     return model, optimizer_fn(param_groups(model))
@@ -93,10 +128,10 @@ def wrap_tp(model, optimizer_fn, device, precision, **options):
 def wrap_fsdp2_tp(model, optimizer_fn, device, precision, **options):
     """``fsdp2+tp``: tensor parallel over ``tp``, FSDP2 over ``dp``."""
     _check_options("fsdp2+tp", options, ("tp",) + _TP + _FSDP)
-    world = dist.get_world_size()
-    tp = _size_option("fsdp2+tp", "tp", options.pop("tp", 2 if world % 2 == 0 else world), world)
+    sizes = mesh_sizes("fsdp2+tp", dist.get_world_size(), **options)
+    options.pop("tp", None)
     tp_options = {k: options.pop(k) for k in _TP if k in options}
-    mesh = parallel.device_mesh(dp=-1, tp=tp, device_type=device.type)
+    mesh = parallel.device_mesh(**sizes, device_type=device.type)
     model = parallel.tensor_parallel(model.to(device), mesh["tp"], tp_options.get("plan"),
                                      sequence_parallel=tp_options.get("sequence_parallel", False))
     _fully_shard(model, mesh["dp"], precision, options)
@@ -106,10 +141,9 @@ def wrap_fsdp2_tp(model, optimizer_fn, device, precision, **options):
 def wrap_hsdp(model, optimizer_fn, device, precision, **options):
     """``hsdp``: FSDP2 over a ``dp_replicate x dp_shard`` mesh."""
     _check_options("hsdp", options, ("dp_shard",) + _FSDP)
-    world = dist.get_world_size()
-    shard = _size_option("hsdp", "dp_shard", options.pop(
-        "dp_shard", world // 2 if world % 2 == 0 else world), world)
-    mesh = parallel.device_mesh(dp_replicate=-1, dp_shard=shard, device_type=device.type)
+    sizes = mesh_sizes("hsdp", dist.get_world_size(), **options)
+    options.pop("dp_shard", None)
+    mesh = parallel.device_mesh(**sizes, device_type=device.type)
     model = model.to(device)
     _fully_shard(model, mesh, precision, options)
     return model, optimizer_fn(param_groups(model))

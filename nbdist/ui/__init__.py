@@ -4,12 +4,13 @@ The only part of nbdist that imports IPython, ipywidgets or matplotlib. It may i
 below it; nothing imports it back, except a record's ``.plot()`` loading :mod:`nbdist.ui.plots`
 when called (the plots take everything they draw from their arguments).
 
-``nbdist.ui.launcher()``, ``bench_panel(group)``, ``memory_panel(group)`` and ``watch(job)`` (the
-live view of a background job) import ipywidgets only when first used; the plots live in
+``nbdist.ui.launcher()``, ``bench_panel(group)``, ``memory_panel(group)``, ``mesh_panel()`` (a
+device mesh from its sizes) and ``watch(job)`` (the live view of a background job) import ipywidgets only when first used; the plots live in
 :mod:`nbdist.ui.plots`.
 """
 
-_PANELS = ("launcher", "bench_panel", "memory_panel", "Launcher", "BenchPanel", "MemoryPanel")
+_PANELS = ("launcher", "bench_panel", "memory_panel", "mesh_panel", "Launcher", "BenchPanel",
+           "MemoryPanel", "MeshPanel")
 _PACKAGES = ("live", "magics", "plots", "widgets")
 
 __all__ = sorted(_PANELS + ("Watch", "watch"))

@@ -24,6 +24,32 @@ def test_dist_mem_with_a_parameter_count_only_estimates(shell, no_group):
     assert any("image/png" in o.data for o in cap.outputs)
 
 
+def test_dist_mem_estimates_the_mesh_strategies(shell, no_group):
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,tp,fsdp2+tp,hsdp,pp "
+                                         "--world-sizes 4")
+    table = cap.outputs[0].data
+    for name in ("tp", "fsdp2+tp", "hsdp", "pp"):
+        assert f"{name}: " in table["text/plain"]  # a row and its formula
+    assert "PP: the stage's layers" in table["text/plain"]
+    assert any("image/png" in o.data for o in cap.outputs)
+
+
+def test_dist_mem_measures_the_mesh_strategies(shell, dist_group):
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model mlp:2x64 --strategies tp,fsdp2+tp,hsdp "
+                                         "--steps 1 --batch 4 --no-plot")
+    text = cap.outputs[0].data["text/plain"]
+    assert all(name in text for name in ("tp", "fsdp2+tp", "hsdp")) and len(cap.outputs) == 1
+
+
+def test_dist_mem_refuses_strategy_options(shell, no_group):
+    with pytest.raises(UsageError, match=r"--strategies takes strategy names only, got "
+                                         r"'fsdp2\+tp:tp=2': the mesh strategies use their "
+                                         r"default sizes here \(nbdist.strategies.mesh_sizes\)"):
+        shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,fsdp2+tp:tp=2")
+
+
 def test_dist_mem_takes_a_model_factory_from_the_notebook(shell, dist_group):
     shell.run_cell("import torch\ndef tiny():\n    return torch.nn.Sequential(torch.nn.Linear(8, 8))")
     with capture_output() as cap:

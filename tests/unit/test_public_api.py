@@ -36,7 +36,7 @@ API = {
     "nbdist.strategies": [
         "DEEPSPEED_HINT", "DeepSpeedOptimizer", "FAIRSCALE_HINT", "PRECISIONS", "Strategy",
         "available_strategies", "default_device",
-        "full_parameters", "get_strategy", "register_strategy", "wrap",
+        "full_parameters", "get_strategy", "mesh_sizes", "register_strategy", "wrap",
     ],
     "nbdist.parallel": [
         "DIMS", "MeshLayout", "Pipeline", "SCHEDULES", "Timeline", "TransformerBlock", "auto_plan",
@@ -45,8 +45,8 @@ API = {
     ],
     "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
                          "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
-    "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "Watch", "bench_panel", "launcher",
-                  "memory_panel", "watch"],
+    "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "MeshPanel", "Watch", "bench_panel",
+                  "launcher", "memory_panel", "mesh_panel", "watch"],
 }
 CONSTANTS = {"DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
              "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}

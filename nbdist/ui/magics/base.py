@@ -115,6 +115,12 @@ def _strategy_list(text: str) -> List[str]:
         raise argparse.ArgumentTypeError(
             f"expected strategy names separated by commas, e.g. ddp,zero1,fsdp; got {text!r}")
     for name in names:
+        if "=" in name or ":" in name:
+            raise argparse.ArgumentTypeError(
+                f"--strategies takes strategy names only, got {name!r}: the mesh strategies use "
+                "their default sizes here (nbdist.strategies.mesh_sizes); for other sizes call "
+                "nbdist.memory.measure(group, model_fn, ['fsdp2+tp'], options={'fsdp2+tp': "
+                "{'tp': 2}})")
         try:
             get_strategy(name)
         except ValueError as err:  # names the valid ones

@@ -15,7 +15,8 @@ from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _strat
 @register_magics
 @magics_class
 class MemoryMagics(NbdistMagics):
-    """``%dist_mem``: per-rank memory of data-parallel strategies against the ZeRO formulas."""
+    """``%dist_mem``: per-rank memory of the strategies (data-parallel and mesh) against the
+    formulas."""
 
     @line_magic
     @magic_arguments()
@@ -23,7 +24,8 @@ class MemoryMagics(NbdistMagics):
               help="mlp:LAYERSxWIDTH, a parameter count such as 7.5B (estimate only), or the "
                    "name of a function in this notebook that builds the model")
     @argument("--strategies", type=_strategy_list, default="ddp,zero1,fsdp", metavar="S[,S...]",
-              help="strategy names, e.g. ddp,zero1,fsdp_grad_op,fsdp,fsdp2")
+              help="strategy names, e.g. ddp,zero1,fsdp_grad_op,fsdp,fsdp2 or the mesh ones "
+                   "tp,fsdp2+tp,hsdp,pp (at their default sizes: no options here)")
     @argument("--optimizer", default="adam", help="adam, adamw, momentum or sgd")
     @argument("--precision", default="fp32", help="fp32 or bf16-mixed")
     @argument("--steps", type=_positive(int), default=2, help="training steps per strategy (2)")

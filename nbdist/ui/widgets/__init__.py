@@ -1,11 +1,12 @@
-"""ipywidgets panels for a group: a launcher, a collective benchmark and a memory view.
+"""ipywidgets panels for a group: a launcher, a collective benchmark, a memory view and a mesh.
 
-    from nbdist.ui.widgets import launcher, bench_panel, memory_panel
+    from nbdist.ui.widgets import launcher, bench_panel, memory_panel, mesh_panel
     launcher()           # world size, device, backend, strategy, timeout; Start / Restart / Stop
     bench_panel()        # ops, sizes, iterations; Run; Compare with another backend or world size
     memory_panel()       # model, strategies, precision; Run; a world-size slider for the estimate
+    mesh_panel()         # world size, pp / dp (or dp_replicate x dp_shard) / tp -> valid? picture
 
-``%dist_ui`` (``%dist_ui bench``, ``%dist_ui memory``) shows the same panels.
+``%dist_ui`` (``%dist_ui bench``, ``%dist_ui memory``, ``%dist_ui mesh``) shows the same panels.
 
 The panels hold no logic of their own: their buttons call the public API (:func:`nbdist.start`,
 ``Group.restart``, :func:`nbdist.bench.collectives`, :func:`nbdist.memory.measure`...), their
@@ -24,9 +25,10 @@ from ._bench import BenchPanel
 from ._common import Panel
 from ._launcher import Launcher
 from ._memory import MemoryPanel
+from ._mesh import MeshPanel
 
-__all__ = sorted(["BenchPanel", "Launcher", "MemoryPanel", "Panel", "bench_panel", "launcher",
-                  "memory_panel"])
+__all__ = sorted(["BenchPanel", "Launcher", "MemoryPanel", "MeshPanel", "Panel", "bench_panel",
+                  "launcher", "memory_panel", "mesh_panel"])
 
 
 def launcher(world_size: Optional[int] = None, device: Optional[str] = None, backend: str = "auto",
@@ -52,3 +54,14 @@ def memory_panel(group: Optional[Group] = None, model: str = "mlp:4x1024",
     """A :class:`MemoryPanel` on ``group`` (default: the current group when Run is pressed);
     ``model_fn`` measures a model factory from the notebook instead of ``model``."""
     return MemoryPanel(group, model, model_fn, strategies, precision, optimizer, world_size)
+
+
+def mesh_panel(world_size: Optional[int] = None, *, pp: Optional[int] = None,
+               dp: Optional[int] = None, dp_replicate: Optional[int] = None,
+               dp_shard: Optional[int] = None, tp: Optional[int] = None) -> MeshPanel:
+    """A :class:`MeshPanel`: sizes -> whether they fit ``world_size`` ranks (default: the
+    current group's, else 4) and the picture of the mesh. With no size given it starts at the
+    ``dp x tp`` mesh ``fsdp2+tp`` builds (:func:`nbdist.strategies.mesh_sizes`); ``None`` leaves
+    a dimension out, ``-1`` takes the ranks left over."""
+    return MeshPanel(world_size, pp=pp, dp=dp, dp_replicate=dp_replicate, dp_shard=dp_shard,
+                     tp=tp)

@@ -31,6 +31,7 @@ class Panel(widgets.VBox):
 
     def __init__(self, group: Optional[Group] = None, **kwargs):
         self._group = group
+        self._quiet: set = set()  # traits whose control is being relabelled (set_options)
         self._feedback = widgets.HTML(layout=widgets.Layout(width="100%"))
         self._feedback.add_class("nbdist-feedback")
         super().__init__(**kwargs)
@@ -80,7 +81,7 @@ class Panel(widgets.VBox):
         reverting = []
 
         def to_trait(change):
-            if reverting:
+            if reverting or trait in self._quiet:
                 return
             try:
                 setattr(self, trait, change["new"])
@@ -100,6 +101,16 @@ class Panel(widgets.VBox):
 
         control.observe(to_trait, "value")
         self.observe(to_control, trait)
+
+    def set_options(self, control: widgets.Dropdown, trait: str, options) -> None:
+        """Give a bound dropdown new ``options`` (new labels, say) and keep the trait's value: the
+        trait never sees the dropdown pass through its first option on the way."""
+        self._quiet.add(trait)
+        try:
+            control.options = options
+            control.value = getattr(self, trait)
+        finally:
+            self._quiet.discard(trait)
 
     def close(self) -> None:
         """Close the panel and every widget in it."""

@@ -15,6 +15,7 @@ from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
 from ...runtime.status import GroupStatus
 from ._common import Panel, backend_options, device_options, reasons_html
+from ._meshes import mesh_note, strategy_options
 
 _STATE_COLORS = {"idle": "#1b7f3b", "busy": "#b26a00", "dead": "#b00020", "stopped": "#666"}
 
@@ -44,8 +45,6 @@ class Launcher(Panel):
     def __init__(self, world_size: Optional[int] = None, device: Optional[str] = None,
                  backend: str = "auto", strategy: str = "ddp", timeout: float = 60.0,
                  refresh_interval: float = 0.5):
-        from ...strategies import available_strategies
-
         super().__init__()
         self.add_class("nbdist-launcher")
         running = current_group()
@@ -71,9 +70,9 @@ class Launcher(Panel):
                                        layout=widgets.Layout(width="210px")),
             "backend": widgets.Dropdown(description="backend", style=wide,
                                         layout=widgets.Layout(width="260px")),
-            "strategy": widgets.Dropdown(options=list(available_strategies()),
+            "strategy": widgets.Dropdown(options=strategy_options(self.world_size),
                                          value=self.strategy, description="strategy", style=wide,
-                                         layout=widgets.Layout(width="230px")),
+                                         layout=widgets.Layout(width="330px")),
             "timeout": widgets.BoundedFloatText(self.timeout, min=0.0, max=1e6,
                                                 description="timeout (s)", style=wide,
                                                 layout=widgets.Layout(width="160px")),
@@ -160,6 +159,13 @@ class Launcher(Panel):
         except ValueError:
             self.backend = "auto"
 
+    @observe("world_size")
+    def _world_size_changed(self, change) -> None:
+        if hasattr(self, "_controls"):  # the mesh sizes in the strategy labels follow
+            self.set_options(self._controls["strategy"], "strategy",
+                             strategy_options(self.world_size))
+            self._show_notes()
+
     @observe("strategy")
     def _strategy_changed(self, change) -> None:
         group = current_group()
@@ -186,7 +192,7 @@ class Launcher(Panel):
         self._notes.value = (
             f"<div style='font-size:smaller;color:#444'><b>{html.escape(self.strategy)}</b>: "
             f"{html.escape(about)} (on the ranks: the variable <code>strategy</code>)</div>"
-            + reasons_html(self._backend_reasons, "backends") + self._device_note)
+            + mesh_note(self.strategy, self.world_size) + reasons_html(self._backend_reasons, "backends") + self._device_note)
 
     # ---- actions ------------------------------------------------------------------------------
     def start(self) -> Group:
