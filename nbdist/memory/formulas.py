@@ -152,7 +152,12 @@ def estimate(model_or_num_params: Union[nn.Module, int, float, str], world_size:
                    + base[3].replace("Ψ", "Ψ'").replace(f"Ψ'={local:,}, N={dp}", f"N=dp={dp}"))
         return Estimate(num, world_size, name, stage, precision, optimizer, *base[:3], formula,
                         tp, pp, acts, assumptions)
-    params, grads, state, formula = _zero(num, world_size, stage, precision, optimizer)
+    shard = world_size
+    if name == "hsdp":  # sharded inside dp_shard groups (the strategy's default), replicated across
+        shard = _strategies.mesh_sizes("hsdp", world_size)["dp_shard"]
+    params, grads, state, formula = _zero(num, shard, stage, precision, optimizer)
+    if shard != world_size:
+        formula += f" (HSDP: N = dp_shard = {shard} of {world_size} ranks)"
     return Estimate(num, world_size, name, stage, precision, optimizer, params, grads, state,
                     formula, tp, pp, acts, assumptions)
 

@@ -115,3 +115,12 @@ def test_cli_explains_bad_tp_and_pp(argv, text, capsys):
     with pytest.raises(SystemExit) as info:
         memory.cli(argv)
     assert info.value.code == 2 and text in capsys.readouterr().err
+
+
+def test_hsdp_shards_over_dp_shard_not_the_world():
+    from nbdist import memory
+
+    hsdp, zero3_half = memory.estimate(8_000_000, 4, "hsdp"), memory.estimate(8_000_000, 2, "fsdp")
+    assert (hsdp.params, hsdp.grads, hsdp.optimizer) == (zero3_half.params, zero3_half.grads,
+                                                         zero3_half.optimizer)
+    assert "(HSDP: N = dp_shard = 2 of 4 ranks)" in hsdp.formula
