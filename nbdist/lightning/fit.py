@@ -55,6 +55,10 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
             ``ModelParallelStrategy(data_parallel_size=world_size, tensor_parallel_size=1)`` (the
             module applies ``fully_shard`` in ``configure_model``, over
             ``self.device_mesh["data_parallel"]``); it also works on CPU, where ``"fsdp"`` does not.
+            ``"tp"`` and ``"fsdp2+tp"`` are the same strategy with ``tensor_parallel_size`` the
+            world / ``strategies.mesh_sizes("fsdp2+tp", world)["tp"]``: the module applies
+            ``nbdist.parallel.tensor_parallel(self, self.device_mesh["tensor_parallel"])`` (and
+            ``fully_shard`` over ``"data_parallel"``) in ``configure_model``.
             ``"deepspeed_stage_1"``, ``"_2"``, ``"_3"`` (or a ``DeepSpeedStrategy`` object) train
             on CPU groups too, through :class:`NbdistDeepSpeedStrategy` (needs DeepSpeed:
             ``pip install nbdist[deepspeed]``); under stage 3 the returned weights are gathered
@@ -84,7 +88,7 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
         name = strategy.lower()
         if any(word in name for word in _SPAWNING):
             raise ValueError(_spawn_message(f"strategy={strategy!r}", world))
-        if name.startswith("fsdp") and name != "fsdp2" and group.device == "cpu":
+        if name.startswith("fsdp") and name not in _MODEL_PARALLEL and group.device == "cpu":
             raise ValueError(f"strategy={strategy!r} is Lightning's FSDPStrategy, which needs "
                              "CUDA; this group runs on CPU. Use strategy='fsdp2' (FSDP2 through "
                              "ModelParallelStrategy: apply fully_shard in configure_model).")
@@ -143,15 +147,21 @@ def _reform(backend: str, timeout: float) -> None:
                             timeout=timedelta(seconds=timeout))
 
 
+_MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy
+
+
 def _build_strategy(pl, strategy, backend: str, world_size: int):
     if not isinstance(strategy, str):
         return strategy
     name, strategies = strategy.lower(), pl.strategies
     if name == "ddp":
         return strategies.DDPStrategy(process_group_backend=backend)
-    if name == "fsdp2":
-        return strategies.ModelParallelStrategy(data_parallel_size=world_size,
-                                                tensor_parallel_size=1,
+    if name in _MODEL_PARALLEL:  # Lightning's 2-D strategy; configure_model applies TP / FSDP2
+        from ..strategies import mesh_sizes
+
+        tp = {"fsdp2": 1, "tp": world_size}.get(name) or mesh_sizes(name, world_size)["tp"]
+        return strategies.ModelParallelStrategy(data_parallel_size=world_size // tp,
+                                                tensor_parallel_size=tp,
                                                 process_group_backend=backend)
     if name == "fsdp":
         return strategies.FSDPStrategy(process_group_backend=backend)

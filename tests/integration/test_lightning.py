@@ -50,6 +50,15 @@ class Sharded(Toy):
             fully_shard(layer, mesh=mesh)
         fully_shard(self.net, mesh=mesh)
 
+class TensorParallel(Toy):
+    def __init__(self):  # tensor parallel slices each rank's own copy: the same start everywhere
+        os.environ["RANK"], rank = "0", os.environ.get("RANK", "0")
+        super().__init__()
+        os.environ["RANK"] = rank
+    def configure_model(self):
+        from nbdist.parallel import tensor_parallel
+        tensor_parallel(self.net, self.device_mesh["tensor_parallel"])
+
 class Failing(Toy):
     def training_step(self, batch, i):
         raise ValueError("boom in training_step")
@@ -165,6 +174,30 @@ def test_fit_with_a_custom_backend_then_back(g, nb, gloowrap, capsys):
                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert [r.backend for r in mapped] == ["cpu:gloo", "cpu:gloo"]
     assert g.run(lambda: torch.distributed.get_backend()) == ["gloo", "gloo"]
+
+
+def test_tensor_parallel_through_lightning_matches_one_process(g, nb):
+    """strategy="tp": Lightning's ModelParallelStrategy with tensor_parallel_size = the world;
+    the module applies nbdist.parallel.tensor_parallel in configure_model. Every rank sees every
+    batch (data parallel size 1), so the weights are those of one process on the same batches."""
+    results = nl.fit(g, nb["TensorParallel"], nb["make_data"], "tp", weights="all", max_epochs=2,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert [r.global_step for r in results] == [16, 16]  # all 8 batches per epoch on each rank
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    ref = nb["Toy"]()  # RANK unset here: seed 0, as the module seeds itself on every rank
+    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
+    data = nb["make_data"]().dataset
+    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)  # Lightning's, dp=1
+    for epoch in range(2):
+        sampler.set_epoch(epoch)
+        for x, y in DataLoader(data, batch_size=8, sampler=sampler):
+            opt.zero_grad()
+            ref.loss(x, y).backward()
+            opt.step()
+    for state in (r.state_dict for r in results):
+        for name, value in ref.state_dict().items():
+            assert torch.allclose(state[name].float(), value, atol=1e-5), name
 
 
 def test_fsdp2_on_cpu(g, nb):
