@@ -128,3 +128,33 @@ def test_zero_three_ways(tmp_path):
     assert "vs torch" in out[5] and "wrap (s)" in out[5]
     kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in k for k in kinds)  # the memory plot
+
+
+def test_beyond_data_parallel(tmp_path):
+    nb, out = run_notebook("10_beyond_data_parallel.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert "8,996 parameters on 4 ranks" in out[0]
+    assert "groups along dp: [0, 2] [1, 3]" in out[1] and "groups along tp: [0, 1] [2, 3]" in out[1]
+    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
+               for o in code[2].outputs)  # the mesh panel
+    assert "mesh sizes dp=3, tp=2 do not fit 4 ranks" in out[3] and "dp=2, tp=2" in out[3]
+    assert "all five agree with one process within 1e-5: True" in out[5]
+    for label in ("ddp", "tp", "tp + sp", "fsdp2+tp", "1f1b"):
+        assert any(line.startswith(label + " ") for line in out[5].splitlines()), label
+    assert "UserWarning" not in out[5] and "redistributing" not in out[5]
+    memory = out[6]  # the table with the sharded/replicated split and the formulas in the notes
+    assert "sharded (KB)" in memory and "replicated (KB)" in memory
+    for name in ("ddp", "tp", "fsdp2+tp", "pp"):
+        assert name in [line.split()[0] for line in memory.splitlines() if line.split()]
+    assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory
+    assert "PP: the stage's layers" in memory
+    traffic = [line.split() for line in out[7].splitlines()]
+    rows = {(r[0], r[2]): r for r in traffic if len(r) >= 10 and r[0] in ("dp", "tp")}
+    assert set(rows) == {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_reduce")}
+    for r in rows.values():
+        assert r[3] == r[4] and r[7] == "1", r  # calls and bytes as the analytic figure says
+    assert "sent by NCCL/rank" in out[7]
+    assert "1f1b, 4 microbatches, 4 ranks, 4 stages" in out[8]
+    assert "theory 43% = (p-1)/(m+p-1) = 3/7 (p=4, m=4)" in out[9]
+    assert any("image/png" in o.get("data", {}) for o in code[9].outputs)  # the Gantt chart
+    assert any("image/png" in o.get("data", {}) for o in code[1].outputs)  # the mesh figure
