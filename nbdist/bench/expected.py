@@ -21,7 +21,18 @@ and backward, per rank. The rules, for ``T`` tokens (batch x sequence) and ``e``
 * **HSDP**: the same over ``dp_shard``, plus one all_reduce per group across ``dp_replicate`` of
   the reduce-scattered gradient (the group's size / ``dp_shard``).
 
-Sequence parallel (``sequence_parallel=True``) is not modelled: :func:`expected_traffic` says so.
+* **sequence parallel** (``sequence_parallel=True``, Korthikanti et al. 2022, as
+  :func:`nbdist.parallel.auto_plan` writes it: each block takes its input whole, works on sequence
+  shards in its norms, and gives its output back whole): per block, with ``h`` the block's width,
+  ``T x h x e`` each -- forward: an all_gather into the attention and into the MLP, a
+  reduce_scatter out of each (their Rowwise layers), an all_gather of the block's output;
+  backward: the mirror image (a reduce_scatter for each forward all_gather into attention and
+  MLP, an all_gather for each reduce_scatter) plus an all_gather of the gradient of the block's
+  input -- unless that input is the model's own (no module with parameters before the block). So
+  6 all_gathers (5 for a first block) and 4 reduce_scatters per block; no all_reduce inside it,
+  except under FSDP2 (``fsdp2+tp``): the gradient of each parameter of a ``SequenceParallel``
+  norm is partial over ``tp`` and is all-reduced there (its size) before FSDP2 reduce-scatters it
+  (measured; plain ``tp`` issues none).
 """
 from __future__ import annotations
 
@@ -105,10 +116,6 @@ def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
     if strategy not in STRATEGIES:
         raise ValueError(f"expected_traffic() knows the strategies {', '.join(STRATEGIES)}; got "
                          f"{strategy!r}")
-    if sequence_parallel:
-        raise NotImplementedError("expected_traffic() does not model sequence parallel yet "
-                                  "(its all_gathers and reduce_scatters per norm region); "
-                                  "measure it with nbdist.bench.traffic() alone")
     from ..parallel import MeshLayout, auto_plan
 
     if strategy == "tp":
@@ -133,11 +140,25 @@ def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
     ntp = sizes.get("tp", 1)
     styles: Dict[str, str] = {}
     if "tp" in sizes:
-        styles = _styles(model, plan if plan is not None else auto_plan(model))
+        styles = _styles(model, plan if plan is not None
+                         else auto_plan(model, sequence_parallel=sequence_parallel))
         before = False  # has a module with parameters run before this one (module order)?
+        blocks: List[str] = []  # sequence-parallel blocks: their insides are counted as a whole
         for name, mod in model.named_modules():
             kind = styles.get(name)
-            if kind == "rowwise":
+            if any(name.startswith(b + ".") for b in blocks):
+                if kind == "SequenceParallel" and ("dp" in sizes or "dp_shard" in sizes):
+                    for p in mod.parameters(recurse=False):  # FSDP2 reduces its partial grad
+                        add("tp", "all_reduce", p.numel() * param_bytes)
+                before = before or any(True for _ in mod.parameters(recurse=False))
+                continue
+            if kind == "PrepareModuleInputOutput":  # a block under sequence parallel
+                blocks.append(name)
+                width = next(m.in_features for m in mod.modules() if hasattr(m, "in_features"))
+                size = tokens * width * activation_bytes
+                add("tp", "all_gather", size, 6 if before else 5)
+                add("tp", "reduce_scatter", size, 4)
+            elif kind == "rowwise":
                 add("tp", "all_reduce", tokens * mod.out_features * activation_bytes)
             elif kind == "colwise" and before:
                 add("tp", "all_reduce", tokens * mod.in_features * activation_bytes)

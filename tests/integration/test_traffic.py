@@ -87,6 +87,14 @@ class TestTwoRanks:
         assert len({r["rank"] for r in measured}) == 2
         assert "calls/step" in str(measured) and "measured/algorithmic" in str(table)
 
+    def test_tp_with_sequence_parallel_sends_what_the_plan_says(self, two):
+        """Per block: 6 all_gathers (5 for the first: the model's input needs no gradient) and
+        4 reduce_scatters of T x h, and no all_reduce."""
+        measured, table = check(two.run(measure, "tp", "block", sequence_parallel=True))
+        rows = {r["op"]: r for r in table}
+        assert set(rows) == {"all_gather", "reduce_scatter"}
+        assert (rows["all_gather"]["calls"], rows["reduce_scatter"]["calls"]) == (11, 8)
+
     def test_a_mesh_of_another_size_is_refused(self, two):
         def run():
             import torch.distributed as dist
@@ -110,9 +118,6 @@ def test_outside_the_ranks_and_unknown_strategies():
         bench.traffic().__enter__()
     with pytest.raises(ValueError, match="knows the strategies tp, fsdp2"):
         bench.expected_traffic(make_model("mlp"), "ddp", tokens=8, world_size=2)
-    with pytest.raises(NotImplementedError, match="does not model sequence parallel"):
-        bench.expected_traffic(make_model("block"), "tp", tokens=8, world_size=2,
-                               sequence_parallel=True)
 
 
 @pytest.fixture(scope="module")
@@ -132,6 +137,13 @@ class TestMesh:
         assert rs["wire_bytes"] == pytest.approx(rs["bytes"])  # gloo: a whole all_reduce, 2(n-1)/n
         nccl = {(r["dim"], r["op"]): r for r in table}["dp", "reduce_scatter"]["nccl_wire_bytes"]
         assert rs["wire_bytes"] == pytest.approx(2 * nccl, rel=0.10)
+
+    def test_fsdp2_tp_with_sequence_parallel(self, four):
+        measured, table = check(four.run(measure, "fsdp2+tp", "block", tp=2,
+                                         sequence_parallel=True))
+        assert {(r["dim"], r["op"]) for r in table} == {
+            ("tp", "all_gather"), ("tp", "reduce_scatter"), ("tp", "all_reduce"),
+            ("dp", "all_gather"), ("dp", "reduce_scatter")}  # all_reduce: the norms' grads
 
     def test_hsdp_on_a_2x2_mesh(self, four):
         measured, table = check(four.run(measure, "hsdp", "block"))
