@@ -62,11 +62,7 @@ def test_background_job_in_a_real_kernel_and_shutdown_leaves_nothing(tmp_path):
     assert "busy: the group is busy with background job 'train'" in out["busy"]
     assert "state interrupted" in out["interrupt"] and "['back', 'back']" in out["interrupt"]
     pids = eval(out["pids"].splitlines()[0].split("pids", 1)[1])  # noqa: S307 -- our own output
-    deadline = time.monotonic() + 15
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _running(p)]
-        time.sleep(0.2)
+    alive = _gone_within(pids, 15)
     assert alive == [], f"workers left after the kernel shut down: {alive}"
     assert time.monotonic() - t0 < 200
 
@@ -102,6 +98,42 @@ def test_the_live_view_updates_in_place_and_leaves_the_final_figure():
     assert "redraws 1 done" in "".join(o.get("text", "") for o in cells["end"].outputs)
 
 
+def _gone_within(pids, seconds):
+    """The pids still running after up to ``seconds`` (polled every 0.2 s)."""
+    deadline, alive = time.monotonic() + seconds, list(pids)
+    while alive and time.monotonic() < deadline:
+        alive = [p for p in pids if _running(p)]
+        time.sleep(0.2)
+    return alive
+
+
+def _kernel():
+    """A real kernel and its client (channels started, ready)."""
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+    except BaseException:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+        raise
+    return manager, client
+
+
+def _group_with_a_job(client):
+    """Start a group and the 'train' background job in the kernel; return the ranks' pids."""
+    reply, text = _stdout(client, CELLS["start"])
+    assert reply["status"] == "ok", reply
+    pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
+    reply, _ = _stdout(client, CELLS["train"])
+    assert reply["status"] == "ok", reply
+    return pids
+
+
 def _stdout(client, code, timeout=60):
     """Run ``code`` in the kernel; return (reply content, what it printed)."""
     out = []
@@ -121,19 +153,9 @@ def test_kernel_interrupt_with_a_job_running_stops_the_wait_not_the_job():
     kernel down leaves no process."""
     import threading
 
-    from jupyter_client import KernelManager
-
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel()
-    client = manager.client()
-    client.start_channels()
+    manager, client = _kernel()
     try:
-        client.wait_for_ready(timeout=60)
-        reply, text = _stdout(client, CELLS["start"])
-        assert reply["status"] == "ok", reply
-        pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
-        reply, _ = _stdout(client, CELLS["train"])
-        assert reply["status"] == "ok", reply
+        pids = _group_with_a_job(client)
         timer = threading.Timer(3.0, manager.interrupt_kernel)
         timer.start()
         reply, text = _stdout(client, "%dist_wait -q train")
@@ -151,11 +173,7 @@ def test_kernel_interrupt_with_a_job_running_stops_the_wait_not_the_job():
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=False)
-    deadline = time.monotonic() + 15
-    alive = pids
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in pids if _running(p)]
-        time.sleep(0.2)
+    alive = _gone_within(pids, 15)
     assert alive == [], f"workers left after the kernel shut down: {alive}"
 
 
@@ -166,19 +184,9 @@ def test_kernel_death_with_a_job_running_leaves_no_process():
     import os
     import signal
 
-    from jupyter_client import KernelManager
-
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel()
-    client = manager.client()
-    client.start_channels()
+    manager, client = _kernel()
     try:
-        client.wait_for_ready(timeout=60)
-        reply, text = _stdout(client, CELLS["start"])
-        assert reply["status"] == "ok", reply
-        pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
-        reply, _ = _stdout(client, CELLS["train"])
-        assert reply["status"] == "ok", reply
+        pids = _group_with_a_job(client)
         kernel = psutil.Process(manager.provisioner.pid)
         family = [p.pid for p in kernel.children(recursive=True)]
         assert set(pids) <= set(family)
@@ -186,10 +194,6 @@ def test_kernel_death_with_a_job_running_leaves_no_process():
         os.kill(kernel.pid, signal.SIGKILL)
     finally:
         client.stop_channels()
-    deadline = time.monotonic() + 15
-    alive = family
-    while alive and time.monotonic() < deadline:
-        alive = [p for p in family if _running(p)]
-        time.sleep(0.2)
+    alive = _gone_within(family, 15)
     manager.cleanup_resources()
     assert alive == [], f"processes left after the kernel died: {alive}"
