@@ -12,7 +12,10 @@ How it decides, line by line, as the output streams in (no line waits more than 
   ranks that printed it and how many times -- so nothing is hidden without a trace.
 * A line that differs per rank (``loss 0.6931`` on one rank, ``loss 0.6928`` on the other) is new,
   so it is shown, per rank, in the order that rank printed it: held lines leave in arrival order,
-  and a rank's copy joins a held line only if that keeps the rank's own lines in order.
+  and a rank's copy joins a held line only if that keeps the rank's own lines on that stream in
+  order. (stdout and stderr reach the kernel separately, so their relative order across a rank's
+  two streams is not known and not kept: a rank's ``print`` may arrive before the warning it
+  wrote just before it.)
 * Indented lines continue the block above them (a warning's source line, a traceback's frames):
   such a line is recognised by its whole block, so ``  warnings.warn(`` under two different warnings
   is two different lines. When a block that was being folded turns out to differ from the one seen
@@ -111,7 +114,7 @@ class RepeatFolder:
         self._lines: Dict[int, _Line] = {}
         self._held: Deque[_Held] = collections.deque()
         self._held_by_key: Dict[int, _Held] = {}
-        self._last_held: Dict[int, int] = {}  # rank -> seq of its latest held line
+        self._last_held: Dict[Tuple[int, str], int] = {}  # (rank, stream) -> seq of latest held
         self._blocks: Dict[Tuple[int, str], _Block] = {}
         self._seq = itertools.count()
 
@@ -189,23 +192,25 @@ class RepeatFolder:
     def _hold(self, key: Optional[int], rank: int, stream: str, text: str, now: float) -> None:
         held = _Held(next(self._seq), key, stream, text, [rank], now + self.window)
         self._held.append(held)
-        self._last_held[rank] = held.seq
+        self._last_held[rank, stream] = held.seq
         if key is not None:
             self._held_by_key[key] = held
 
     def _join(self, held: _Held, rank: int) -> bool:
-        """Add ``rank`` to a held line if every rank's lines stay in order: the line is after
-        ``rank``'s held lines, or it is the latest of its ranks' and moves after them."""
-        if held.seq < self._last_held.get(rank, -1):
-            if any(self._last_held[r] != held.seq for r in held.ranks):
+        """Add ``rank`` to a held line if every rank's lines on its stream stay in order: the line
+        is after ``rank``'s held lines there, or it is the latest of its ranks' and moves after
+        them."""
+        stream = held.stream
+        if held.seq < self._last_held.get((rank, stream), -1):
+            if any(self._last_held[r, stream] != held.seq for r in held.ranks):
                 return False  # its ranks printed more since: it cannot move; shown separately
             self._held.remove(held)
             held.seq = next(self._seq)
             self._held.append(held)
             for r in held.ranks:
-                self._last_held[r] = held.seq
+                self._last_held[r, stream] = held.seq
         held.ranks.append(rank)
-        self._last_held[rank] = held.seq
+        self._last_held[rank, stream] = held.seq
         return True
 
     def _release(self, held: _Held) -> Shown:

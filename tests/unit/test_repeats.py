@@ -123,6 +123,22 @@ def test_joining_another_ranks_line_never_reorders_a_rank():
     assert shown(g.finish()[1]) == []  # each copy was shown: nothing to summarise
 
 
+def test_order_is_kept_per_stream_so_a_print_that_overtakes_a_warning_does_not_split_it():
+    # stdout and stderr reach the kernel separately: rank 1's print can arrive before the warning
+    # it wrote first. The warning still shows once, for both ranks (CI once saw it shown twice).
+    f = RepeatFolder()
+    warning = real_warning("old_api is deprecated")
+    f.feed(0, "stderr", warning, 0.0)
+    f.feed(0, "stdout", "loss 0", 0.0)
+    f.feed(1, "stdout", "loss 10", 0.01)
+    f.feed(1, "stderr", warning, 0.02)
+    out = shown(f.due(1.0))
+    assert [s for s in out if s[1] == "stderr"] == [("ranks 0, 1", "stderr", line)
+                                                    for line in warning.split("\n")]
+    assert [s for s in out if s[1] == "stdout"] == [("rank 0", "stdout", "loss 0"),
+                                                    ("rank 1", "stdout", "loss 10")]
+
+
 def test_unequal_counts_are_summed_in_the_summary():
     f = RepeatFolder(window=0.0)
     for rank, times in ((0, 3), (1, 2)):
