@@ -1,0 +1,263 @@
+"""What a rank does between start-up and exit: connect its streams, initialise torch.distributed,
+serve ``run`` / ``exec`` / ``push`` / ``pull`` requests in a namespace that persists across calls.
+
+The entry points that create a :class:`_Worker` (a local worker, or one started by torchrun/srun)
+are in :mod:`.worker`; SIGINT handling is in :mod:`.worker_signals`.
+"""
+from __future__ import annotations
+
+import _signal
+import ast
+import ctypes
+import importlib
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+import types
+from datetime import timedelta
+from typing import Any, Dict
+
+import cloudpickle
+import torch
+import torch.distributed as dist
+
+from ..wire import segments, serialize, transport
+from ..wire.pool import SegmentPool
+from . import imports, ranklog
+from .worker_signals import SIGINT_MASK, SIGINT_SET, ignore_sigint, sigint_ignored, sigint_to_user
+
+_INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
+             "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
+             "call init_process_group. To change the backend or world size, call "
+             "restart(backend=..., world_size=...) on the group (or %dist_restart).")
+
+
+class _Worker:
+    def __init__(self, cfg: Dict[str, Any]):
+        self.cfg = cfg
+        self.rank = cfg["rank"]
+        self.ns: Dict[str, Any] = {}
+        self.cells = 0
+        self.pool = SegmentPool(segments.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
+            if cfg["shm"] else None
+
+    # ---- start-up -------------------------------------------------------------------------
+    def connect_streams(self) -> None:
+        address = tuple(self.cfg["address"])
+        key = self.cfg["key"]
+        for fd, stream in ((1, "stdout"), (2, "stderr")):
+            sock = transport.connect(address, key, {"rank": self.rank, "role": stream,
+                                                    "pid": os.getpid()})
+            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+            os.dup2(sock.fileno(), fd)
+            if fd == 2:
+                self.lifeline = sock  # keep one end for the watchdog
+            else:
+                sock.close()
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+        threading.Thread(target=self._watchdog, name="nbdist-watchdog", daemon=True).start()
+
+    def _watchdog(self) -> None:
+        # The controller's end of the stderr stream carries one-byte commands: "I" interrupts the
+        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process.
+        # EOF or an error means the controller is gone: exit at once, never outlive it.
+        main_id = threading.main_thread().ident
+        try:
+            while True:
+                data = self.lifeline.recv(64)
+                if not data:
+                    break
+                if b"K" in data:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if b"I" in data:
+                    signal.pthread_kill(main_id, signal.SIGINT)
+        except OSError:
+            pass
+        os._exit(70)
+
+    def init_dist(self) -> Dict[str, Any]:
+        cfg = self.cfg
+        # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again.
+        dist.set_debug_level_from_env()
+        for blob in cfg["custom_backends"]:
+            cloudpickle.loads(blob).register_in_torch()
+        if cfg["threads"]:
+            torch.set_num_threads(cfg["threads"])
+        if cfg["backend"] == "auto" or cfg["device"] == "auto":  # attached ranks decide here
+            from ..backends import resolve_backend
+
+            choice = resolve_backend(cfg["backend"], cfg["device"])
+            cfg["backend"], cfg["device"] = choice.backend, choice.device
+            if choice.note:
+                print(choice.note, file=sys.stderr)
+        device = cfg["device"]
+        if device == "cuda":
+            torch.cuda.set_device(cfg["local_rank"])
+        if cfg.get("store_tcp"):
+            host, port = cfg["store_tcp"]
+            store = dist.TCPStore(host, port, cfg["world_size"], is_master=False,
+                                  timeout=timedelta(seconds=cfg["timeout"]))
+        else:
+            store = dist.FileStore(cfg["store_path"], cfg["world_size"])
+        dist.init_process_group(cfg["backend"], store=store, rank=self.rank,
+                                world_size=cfg["world_size"],
+                                timeout=timedelta(seconds=cfg["timeout"]))
+        self._guard_init()
+        for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
+            module, _, name = hook.partition(":")
+            getattr(importlib.import_module(module), name)()
+        self.ns.update({"__name__": "__main__", "__builtins__": __builtins__, "torch": torch,
+                        "dist": dist, "rank": self.rank, "world_size": cfg["world_size"],
+                        "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
+                        else torch.device("cpu")})
+        return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
+                "node": os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
+                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads()}
+
+    def _guard_init(self) -> None:
+        original = dist.init_process_group
+        msg = _INIT_MSG.format(backend=self.cfg["backend"], rank=self.rank,
+                               world=self.cfg["world_size"])
+
+        def init_process_group(*args, **kwargs):
+            if dist.is_initialized():
+                raise RuntimeError(msg)
+            return original(*args, **kwargs)
+
+        init_process_group.__doc__ = original.__doc__
+        dist.init_process_group = init_process_group
+
+    # ---- requests ---------------------------------------------------------------------------
+    def do_run(self, payload: bytes):
+        fn, args, kwargs = serialize.loads(payload)
+        return self._with_namespace(fn)(*args, **kwargs)
+
+    def _with_namespace(self, fn):
+        """A notebook function sees the rank's namespace for names it did not bring along.
+
+        cloudpickle ships the globals a ``__main__`` function uses that existed in the kernel, in
+        one dict shared by the functions of that payload (helpers it calls included). The rank's
+        names are added to that dict where the kernel had none (e.g. a ``model`` made with
+        ``exec`` on the ranks). Assignments to globals inside the function stay in that dict.
+        """
+        if isinstance(fn, types.FunctionType) and fn.__module__ == "__main__":
+            scope = fn.__globals__
+            for name, value in self.ns.items():
+                scope.setdefault(name, value)
+        return fn
+
+    def do_exec(self, payload):
+        source, filename = payload
+        tree = ast.parse(source, filename, "exec")
+        last = None
+        if tree.body and isinstance(tree.body[-1], ast.Expr):
+            last = ast.Expression(tree.body.pop().value)
+        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        exec(compile(tree, filename, "exec"), self.ns)
+        if last is not None:
+            return eval(compile(last, filename, "eval"), self.ns)
+        return None
+
+    def do_push(self, payload: bytes):
+        self.ns.update(serialize.loads(payload))
+
+    def do_pull(self, names):
+        missing = [n for n in names if n not in self.ns]
+        if missing:
+            raise NameError(f"name{'s' if len(missing) > 1 else ''} {', '.join(map(repr, missing))} "
+                            f"not defined on rank {self.rank}")
+        return tuple(self.ns[n] for n in names)
+
+    def serve(self, channel: transport.Channel) -> None:
+        handlers = {"run": self.do_run, "exec": self.do_exec, "push": self.do_push,
+                    "pull": self.do_pull, "ping": lambda payload: None}
+        while True:
+            kind, seq, payload = channel.recv()
+            if kind == "stop":
+                return
+            if kind == "free":  # the caller released pooled result segments
+                if self.pool is not None:
+                    self.pool.release(payload)
+                continue
+            ranklog.begin(self.rank, ranklog.sender(channel, seq))
+            try:
+                reply = self._handle(handlers[kind], payload, seq)
+            finally:
+                ranklog.end()  # what the call logged goes before its reply
+            _flush_output()
+            channel.send_bytes(reply)
+            imports.run_pending()  # Group.preload: after the reply, before the next request
+
+    def _handle(self, handler, payload, seq) -> bytes:
+        error = None
+        quiet = False
+        try:
+            try:
+                sigint_to_user()
+                value = handler(payload)
+            finally:
+                sigint_ignored()
+                quiet = True
+        except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
+            error = exc  # an interrupt that cut the finally short is the call's too
+        # Cut short, Python's default handler may still be installed and SIGINT unblocked: finish
+        # inline (no Python function entered). The C call sets the mask before it runs pending
+        # handlers, so a KeyboardInterrupt it raises was received before: after it none can come.
+        while not quiet:
+            try:
+                if SIGINT_MASK:
+                    _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)
+                _signal.signal(_signal.SIGINT, ignore_sigint)
+                quiet = True
+            except KeyboardInterrupt:
+                continue  # received before the mask: dropped, the call reports the first
+        if error is not None:
+            return transport.encode(("err", seq, _failure(error, self.rank), []))
+        try:
+            data, paths = serialize.dumps(value, None, pool=self.pool)
+        except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file
+            text = (f"the result on rank {self.rank} ({type(value).__module__}."
+                    f"{type(value).__qualname__}) could not be pickled to send it back: "
+                    f"{type(exc).__name__}: {exc}. Return something picklable, or keep the "
+                    "object on the rank (assign it in exec) and pull what you need.")
+            return transport.encode(("err", seq, _failure(exc, self.rank, text), []))
+        return transport.encode(("ok", seq, data, paths))
+
+
+def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
+    """Describe an exception for the caller: type, message, traceback without nbdist's frames."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, serialize.__file__):
+        tb = tb.tb_next
+    formatted = text + "\n" if text else "".join(traceback.format_exception(type(exc), exc, tb))
+    try:
+        blob = cloudpickle.dumps(exc)
+    except Exception:  # noqa: BLE001 -- the exception itself may not be picklable
+        blob = None
+    return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
+            "traceback": formatted, "time": time.time(), "exception": blob}
+
+
+def _flush_output() -> None:
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except (OSError, ValueError):
+        pass
+    if _libc is not None:
+        _libc.fflush(None)
+
+
+try:
+    _libc = ctypes.CDLL(None)
+    _libc.fflush.argtypes = [ctypes.c_void_p]
+except (OSError, AttributeError):  # pragma: no cover -- Windows
+    _libc = None
