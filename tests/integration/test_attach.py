@@ -1,7 +1,6 @@
 """Ranks started by torchrun on two "nodes" (two torchrun invocations on this machine) joining one
 notebook-side controller (issue 10)."""
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -11,63 +10,9 @@ import pytest
 
 import nbdist
 
+from attach_helpers import Cluster, free_port as _free_port  # tests/integration, on sys.path
+
 pytestmark = pytest.mark.timeout(240)
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _torchrun(node_rank, rdzv_port, port, key_file, nproc=1, nnodes=2):
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
-           f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--node-rank={node_rank}",
-           "--master-addr=127.0.0.1", f"--master-port={rdzv_port}", "--max-restarts=0",
-           "-m", "nbdist.worker", "--connect", f"127.0.0.1:{port}", "--key-file", key_file]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True, start_new_session=True)
-
-
-class Cluster:
-    """Two torchrun 'nodes' and the attached group."""
-
-    def __init__(self, tmp_path, world_size=2):
-        self.port, self.rdzv = _free_port(), _free_port()
-        self.key_file = str(tmp_path / "key.hex")
-        self.box = {}
-        self.thread = threading.Thread(target=self._attach, args=(world_size,))
-        self.thread.start()
-        deadline = time.monotonic() + 30
-        while not os.path.exists(self.key_file) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        self.nodes = [_torchrun(n, self.rdzv, self.port, self.key_file) for n in range(2)]
-        self.thread.join(180)
-        if "error" in self.box:
-            self.close()
-            raise self.box["error"]
-        self.group = self.box["group"]
-
-    def _attach(self, world_size):
-        try:
-            self.box["group"] = nbdist.attach(world_size, listen=f"127.0.0.1:{self.port}",
-                                              key_file=self.key_file, join_timeout=120,
-                                              progress=False, timeout=30)
-        except BaseException as err:  # noqa: BLE001 -- re-raised in the test thread
-            self.box["error"] = err
-
-    def close(self):
-        if "group" in self.box:
-            self.group.stop()
-        for p in self.nodes:
-            try:
-                p.wait(30)
-            except subprocess.TimeoutExpired:
-                os.killpg(p.pid, 9)
-                p.wait()
-            p.stderr.close()
-        return [p.returncode for p in self.nodes]
 
 
 @pytest.fixture

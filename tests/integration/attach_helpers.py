@@ -1,0 +1,91 @@
+"""Two torchrun "nodes" on this machine (two torchrun invocations, static rendezvous) whose ranks
+join one notebook-side :func:`nbdist.attach` group: shared by the attached-group tests."""
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import nbdist
+
+
+def free_port():
+    """A TCP port free on loopback right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _die_with_parent():
+    """In the child before exec: its own session (killpg reaches its workers), and SIGKILL when
+    the test process dies -- a killed test run leaves no torchrun agent behind."""
+    os.setsid()
+    try:
+        ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG (Linux)
+    except (OSError, AttributeError):
+        pass
+
+
+def torchrun(node_rank, rdzv_port, port, key_file, nproc=1, nnodes=2, max_restarts=0, env=None,
+             stdout=subprocess.DEVNULL):
+    """Start one torchrun agent ("node" ``node_rank``) running ``python -m nbdist.worker``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
+           f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--node-rank={node_rank}",
+           "--master-addr=127.0.0.1", f"--master-port={rdzv_port}",
+           f"--max-restarts={max_restarts}",
+           "-m", "nbdist.worker", "--connect", f"127.0.0.1:{port}", "--key-file", key_file]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=_die_with_parent)
+
+
+def wait_for(path, timeout=30.0):
+    """Wait until ``path`` exists (the key file attach() writes before it listens)."""
+    deadline = time.monotonic() + timeout
+    while not os.path.exists(path) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+class Cluster:
+    """``nnodes`` torchrun 'nodes' of ``nproc`` ranks each, and the attached group."""
+
+    def __init__(self, tmp_path, nnodes=2, nproc=1, max_restarts=0, **attach_kwargs):
+        self.port, self.rdzv = free_port(), free_port()
+        self.key_file = str(tmp_path / "key.hex")
+        self.box = {}
+        world_size = nnodes * nproc
+        kwargs = dict(listen=f"127.0.0.1:{self.port}", key_file=self.key_file, join_timeout=120,
+                      progress=False, timeout=30)
+        kwargs.update(attach_kwargs)
+        self.thread = threading.Thread(target=self._attach, args=(world_size, kwargs))
+        self.thread.start()
+        wait_for(self.key_file)
+        self.nodes = [torchrun(n, self.rdzv, self.port, self.key_file, nproc=nproc, nnodes=nnodes,
+                               max_restarts=max_restarts) for n in range(nnodes)]
+        self.thread.join(180)
+        if "error" in self.box:
+            self.close()
+            raise self.box["error"]
+        self.group = self.box["group"]
+
+    def _attach(self, world_size, kwargs):
+        try:
+            self.box["group"] = nbdist.attach(world_size, **kwargs)
+        except BaseException as err:  # noqa: BLE001 -- re-raised in the test thread
+            self.box["error"] = err
+
+    def close(self, wait=30):
+        """Stop the group, wait up to ``wait`` s for each agent (then kill it); the exit codes."""
+        if "group" in self.box:
+            self.group.stop()
+        for p in self.nodes:
+            try:
+                p.wait(wait)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+            p.stderr.close()
+        return [p.returncode for p in self.nodes]
