@@ -16,7 +16,7 @@ User mistakes in arguments (a world size of 0, a device name nbdist does not kno
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 
@@ -119,13 +119,13 @@ class RankDiedError(NbdistError):
         self.deaths = dict(sorted(deaths.items()))
         parts = []
         for rank, (code, tail) in self.deaths.items():
-            parts.append(f"rank {rank} {describe_exit(code)}")
+            parts.append(f"rank {rank}{_where(code)} {describe_exit(code)}")
         msg = "; ".join(parts) + "."
         if detail:
             msg += " " + detail
         for rank, (code, tail) in self.deaths.items():
             if tail:
-                msg += f"\n--- rank {rank} stderr (last lines) ---\n{tail.rstrip()}"
+                msg += f"\n--- rank {rank}{_where(code)} stderr (last lines) ---\n{tail.rstrip()}"
         msg += "\n" + (advice or "The group was shut down; call restart() to bring it back "
                                   "(per-rank variables are lost).")
         super().__init__(msg)
@@ -134,6 +134,11 @@ class RankDiedError(NbdistError):
     def ranks(self) -> List[int]:
         """The ranks that died, sorted."""
         return list(self.deaths)
+
+
+def _where(status) -> str:
+    where = getattr(status, "where", "")
+    return f" ({where})" if where else ""
 
 
 class DistTimeoutError(NbdistError, TimeoutError):
@@ -165,6 +170,8 @@ class ExitStatus:
 
     code: Optional[int] = None
     lost: bool = False
+    #: where the rank ran, for ranks on other hosts (``"node 1, host gpu7"``); not compared
+    where: str = field(default="", compare=False)
 
     def describe(self) -> str:
         """``exited with code 3`` / ``was killed by SIGKILL (exit code -9)`` / ``lost ...``."""

@@ -13,11 +13,12 @@ import os
 import shlex
 import sys
 import tempfile
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, Dict, Optional, Tuple
 
 from ..backends import BackendChoice, resolve_backend
-from ..errors import ranks_phrase
+from ..errors import NbdistError, ranks_phrase
 from ..wire import transport
 from ..wire.relay import OutputRelay
 from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
@@ -88,6 +89,10 @@ class AttachLauncher(Launcher):
         finally:
             listener.close()
 
+    def resolved(self, choice, ranks):
+        """What the ranks chose for ``"auto"`` (from their ready reports); they must agree."""
+        return agreed_choice(choice, {r.rank: r.info or {} for r in ranks})
+
     def cleanup(self) -> None:
         """Remove the key file if nbdist made it."""
         if self.own_key_file and self.key_file:
@@ -116,7 +121,7 @@ class _Remote(Admission):
             _refuse_twice(rank, "control", hello)
             return None
         proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")),
-                             self.relay)
+                             self.relay, str(hello.get("node", "?")))
         r = Rank(rank, proc, channel=transport.Channel(conn))
         r.channel.send(("config", -1, self.config))
         return r
@@ -139,6 +144,25 @@ class _Remote(Admission):
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> BackendChoice:
+    """``choice`` with ``"auto"`` replaced by what every rank reported; :class:`NbdistError`
+    naming the ranks when they resolved it differently (e.g. some nodes have GPUs, some not)."""
+    seen: Dict[Tuple[str, str], list] = {}
+    for rank, info in sorted(infos.items()):
+        names = {part.rpartition(":")[2].strip() for part in str(info.get("backend", "")).split(",")}
+        backend = names.pop() if len(names) == 1 else str(info.get("backend"))
+        seen.setdefault((backend, str(info.get("device"))), []).append(rank)
+    if len(seen) > 1:
+        said = "; ".join(f"{ranks_phrase(rs)}: backend {b}, device {d}"
+                         for (b, d), rs in seen.items())
+        raise NbdistError(f"the ranks resolved backend/device 'auto' differently ({said}). Pass "
+                          "backend= and device= to nbdist.attach(), or run every rank on the same "
+                          "kind of node.")
+    (backend, device), = seen
+    return replace(choice, backend=backend if choice.backend == "auto" else choice.backend,
+                   device=device if choice.device == "auto" else choice.device)
 
 
 def _refuse_twice(rank: int, role: str, hello) -> None:

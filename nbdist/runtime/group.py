@@ -129,7 +129,7 @@ class Group:
         except BaseException:
             self._state = "broken"
             raise
-        self._ranks, self._rs = self._inc.rs.ranks, self._inc.rs
+        self._ranks, self._rs, self._choice = self._inc.rs.ranks, self._inc.rs, self._inc.choice
         self._state, self._preloaded = "ready", set()
 
     @property

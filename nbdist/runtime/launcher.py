@@ -51,6 +51,10 @@ class Launcher:
         """Ranks ready to serve, and the rendezvous store to keep alive (``None`` if none)."""
         raise NotImplementedError
 
+    def resolved(self, choice: BackendChoice, ranks: List[Rank]) -> BackendChoice:
+        """The backend and device the ready ``ranks`` use (``choice`` itself by default)."""
+        return choice
+
     def cleanup(self) -> None:
         """Remove what :meth:`launch` left on this machine (nothing by default)."""
 
@@ -62,7 +66,7 @@ class Incarnation:
 
     def __init__(self, group_id: str, launcher: Launcher, choice: BackendChoice,
                  opts: Dict[str, Any], output):
-        self.group_id, self.launcher = group_id, launcher
+        self.group_id, self.launcher, self.choice = group_id, launcher, choice
         self.tmp: Optional[str] = None
         self.relay: Optional[OutputRelay] = None
         self.store: Any = None
@@ -75,8 +79,11 @@ class Incarnation:
             ranks, self.store = launcher.launch(group_id, choice, opts, threads, self.tmp,
                                                 self.relay)
             self.rs = RankSet(ranks, self.relay)
+            self.choice = launcher.resolved(choice, ranks)
             pool.set_release_hook(group_id, self._segment_freed)
         except BaseException:
+            if self.rs is not None:
+                self.rs.shutdown()
             self._release()
             raise
 
@@ -134,6 +141,11 @@ class LocalLauncher(Launcher):
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]))
         return ranks, None
+
+
+def restart_refusal(group) -> Optional[str]:
+    """Why ``group.restart()`` cannot work (an attached group), or ``None`` where it can."""
+    return getattr(getattr(group, "_launcher", None), "restart_refusal", None)
 
 
 def loopback_interface() -> Optional[str]:

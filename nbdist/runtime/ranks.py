@@ -68,8 +68,8 @@ class RemoteProcess:
 
     sentinel = None
 
-    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay):
-        self.rank, self.pid, self.host, self._relay = rank, pid, host, relay
+    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay, node: str = "?"):
+        self.rank, self.pid, self.host, self.node, self._relay = rank, pid, host, node, relay
         self._expected = False
 
     @property
@@ -78,7 +78,12 @@ class RemoteProcess:
         lifeline = self._relay.lifeline(self.rank)
         if lifeline is None or lifeline.alive:
             return None
-        return ExitStatus(0) if self._expected else ExitStatus(lost=True)
+        return ExitStatus(0) if self._expected else ExitStatus(lost=True, where=self.where)
+
+    @property
+    def where(self) -> str:
+        """``"node 1, host gpu7"``: how messages place this rank."""
+        return f"node {self.node}, host {self.host}"
 
     def expect_exit(self) -> None:
         """We asked the rank to stop: its lifeline closing then means a clean exit."""

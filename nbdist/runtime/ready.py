@@ -120,7 +120,8 @@ def _on_control(r: Rank, sel, failures, dead) -> None:
         kind, _, body = r.channel.recv()
     except (ConnectionError, OSError):
         r.process.join(1.0)
-        dead[r.rank] = (r.exit_status or ExitStatus(lost=True), "")
+        where = getattr(r.process, "where", "")
+        dead[r.rank] = (r.exit_status or ExitStatus(lost=True, where=where), "")
         sel.unregister(r.channel.sock)
         return
     if kind == "ready":

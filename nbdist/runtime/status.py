@@ -26,6 +26,7 @@ class RankStatus:
     exit: Optional[ExitStatus] = None
     rss: Optional[int] = None
     last_error: str = ""
+    node: str = ""  #: the node label of a rank torchrun/srun started (GROUP_RANK / SLURM_NODEID)
 
     @property
     def exitcode(self) -> Optional[int]:
@@ -54,17 +55,23 @@ class GroupStatus:
     ranks: List[RankStatus] = field(default_factory=list)
     job: str = ""  #: the background job running, in one line ("" when none)
 
-    _COLUMNS = ("rank", "pid", "host", "device", "backend", "state", "memory", "last error")
+    @property
+    def _columns(self):  # "node" only for ranks torchrun/srun started
+        nodes = ("node",) if any(r.node for r in self.ranks) else ()
+        return ("rank", "pid", "host") + nodes + ("device", "backend", "state", "memory",
+                                                  "last error")
 
     def _rows(self):
+        nodes = any(r.node for r in self.ranks)
         for r in self.ranks:
             mem = f"{r.rss / 2**20:.0f} MiB" if r.rss is not None else "-"
-            yield (str(r.rank), str(r.pid or "-"), r.host, r.device, r.backend,
-                   r.describe_state(), mem, r.last_error[:60])
+            yield (str(r.rank), str(r.pid or "-"), r.host) + ((r.node,) if nodes else ()) + (
+                r.device, r.backend, r.describe_state(), mem, r.last_error[:60])
 
     def __str__(self) -> str:
-        rows = [self._COLUMNS] + list(self._rows())
-        widths = [max(len(row[i]) for row in rows) for i in range(len(self._COLUMNS))]
+        cols = self._columns
+        rows = [cols] + list(self._rows())
+        widths = [max(len(row[i]) for row in rows) for i in range(len(cols))]
         lines = [f"group: {self.state}, world size {self.world_size}, backend {self.backend}, "
                  f"device {self.device}"] + ([self.job] if self.job else [])
         for row in rows:
@@ -75,7 +82,7 @@ class GroupStatus:
         p.text(str(self))
 
     def _repr_html_(self) -> str:
-        head = "".join(f"<th>{html.escape(c)}</th>" for c in self._COLUMNS)
+        head = "".join(f"<th>{html.escape(c)}</th>" for c in self._columns)
         body = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>"
                        for row in self._rows())
         return (f"<div class='nbdist-status'><b>nbdist group</b>: {html.escape(self.state)}, "
@@ -108,7 +115,7 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
         rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
                                info.get("backend", backend), rstate,
                                r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
-                               rss, r.last_error))
+                               rss, r.last_error, str(getattr(r.process, "node", ""))))
     return GroupStatus(state, world_size, backend, device, rows, job)
 
 

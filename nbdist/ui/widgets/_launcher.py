@@ -13,6 +13,7 @@ from ...backends import registered_backends, resolve_backend, resolve_device
 from ...errors import NbdistError
 from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
+from ...runtime.launcher import restart_refusal
 from ...runtime.status import GroupStatus
 from ._common import Panel, backend_options, device_options, reasons_html
 from ._meshes import mesh_note, strategy_options
@@ -245,34 +246,41 @@ class Launcher(Panel):
             group = current_group()
             running = group is not None and group.state != "stopped"
             self.status = group.status() if running else None
-            self._table.value = self._render(group if running else None)
+            refusal = restart_refusal(group) if running else None
+            self._table.value = self._render(group if running else None, refusal)
             self.buttons["start"].disabled = running
-            self.buttons["restart"].disabled = self.buttons["stop"].disabled = not running
+            self.buttons["stop"].disabled = not running
+            self.buttons["restart"].disabled = not running or bool(refusal)
+            self.buttons["restart"].tooltip = refusal or ""
 
-    def _render(self, group: Optional[Group]) -> str:
+    def _render(self, group: Optional[Group], refusal: Optional[str] = None) -> str:
         if group is None or self.status is None:
             return ("<div class='nbdist-group' data-state='none'>no group is running: choose "
                     "the options and press <b>Start</b>.</div>")
         s = self.status
         rows = []
+        remote = any(r.node for r in s.ranks)  # ranks torchrun/srun started: where they run
         for r in s.ranks:
             color = _STATE_COLORS.get(r.state, "#000")
             mem = f"{r.rss / 2**20:.0f} MiB" if r.rss is not None else "-"
             cells = [(str(r.rank), "rank"), (r.describe_state(), "state"), (str(r.pid or "-"),
-                     "pid"), (r.device, "device"), (mem, "memory"),
-                     (r.last_error[:120], "last-error")]
+                     "pid")] + ([(r.host, "host"), (r.node, "node")] if remote else []) + [
+                (r.device, "device"), (mem, "memory"), (r.last_error[:120], "last-error")]
             rows.append("<tr>" + "".join(
                 f"<td class='nbdist-col-{cls}'" + (f" data-state='{html.escape(r.state)}' "
                                                f"style='color:{color}'" if cls == "state" else "")
                 + f">{html.escape(text)}</td>" for text, cls in cells) + "</tr>")
         head = "".join(f"<th style='text-align:left;padding-right:1em'>{c}</th>" for c in
-                       ("rank", "state", "pid", "device", "memory", "last error"))
+                       ("rank", "state", "pid") + (("host", "node") if remote else ())
+                       + ("device", "memory", "last error"))
+        note = (f"<div class='nbdist-restart-note' style='font-size:smaller;color:#444'>Restart "
+                f"is off: {html.escape(refusal)}</div>" if refusal else "")
         return (f"<div class='nbdist-group' data-state='{html.escape(s.state)}' "
                 f"data-backend='{html.escape(s.backend)}'>group "
                 f"<code>{group.id}</code>: <b>{html.escape(s.state)}</b>, world size "
                 f"{s.world_size}, backend <code>{html.escape(s.backend)}</code>, device "
                 f"{html.escape(s.device)}</div><table class='nbdist-ranks'><thead><tr>{head}"
-                f"</tr></thead><tbody>{''.join(rows)}</tbody></table>")
+                f"</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
 
     def _watch(self) -> None:
         while not self._closed.wait(self.refresh_interval):
