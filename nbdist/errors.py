@@ -65,7 +65,8 @@ class RemoteError(NbdistError):
         self.results = results
         self.world_size = world_size
         root = self.root_cause
-        head = f"{root.type_name} on {ranks_phrase(self.failures)}: {root.message}"
+        head = f"{root.type_name} on {ranks_phrase(self.failures)}{_places(self.failures)}: " \
+               f"{root.message}"
         if len(self.failures) > 1:
             head += f"\n(root cause: rank {root.rank}, the first failure observed)"
         self.hint = hint_for(" ".join(f.message for f in self.failures.values()))
@@ -87,7 +88,7 @@ class RemoteError(NbdistError):
         # IPython calls this instead of printing nbdist's own frames: show the remote tracebacks.
         lines: List[str] = []
         for failure in self.failures.values():
-            lines.append(f"\x1b[31m--- rank {failure.rank} ---\x1b[0m")
+            lines.append(f"\x1b[31m--- rank {failure.rank}{_where(failure)} ---\x1b[0m")
             lines.extend(failure.traceback.rstrip().splitlines())
         if len(self.failures) > 1:
             lines.append(f"(root cause: rank {self.root_cause.rank}, the first failure observed)")
@@ -107,6 +108,7 @@ class RemoteFailure:
         self.traceback = traceback
         self.time = time
         self.exception = exception
+        self.where = ""  #: ``"node 1, host gpu7"`` for a rank torchrun/srun started
 
     def __repr__(self) -> str:
         return f"RemoteFailure(rank={self.rank}, {self.type_name}: {self.message!r})"
@@ -134,6 +136,14 @@ class RankDiedError(NbdistError):
     def ranks(self) -> List[int]:
         """The ranks that died, sorted."""
         return list(self.deaths)
+
+
+def _places(failures) -> str:
+    """`` (node 1, host h)`` / `` (rank 0: node 0, host h; rank 1: ...)``; ``""`` for local ranks."""
+    placed = [(r, f.where) for r, f in failures.items() if getattr(f, "where", "")]
+    if len(placed) == 1 and len(failures) == 1:
+        return f" ({placed[0][1]})"
+    return f" ({'; '.join(f'rank {r}: {w}' for r, w in placed)})" if placed else ""
 
 
 def _where(status) -> str:

@@ -232,6 +232,8 @@ def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
                     f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
         results.append(None)
     rs.relay.drain(flush_partial=True)
+    for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
+        failure.where = getattr(rs[r].process, "where", "")
     if failures:
         return Verdict(error=RemoteError(failures, results, world_size))
     return Verdict(results=results)
