@@ -139,7 +139,7 @@ class RankDiedError(NbdistError):
 
 
 def _places(failures) -> str:
-    """`` (node 1, host h)`` / `` (rank 0: node 0, host h; rank 1: ...)``; ``""`` for local ranks."""
+    """`` (node 1, host h)`` / `` (rank 0: node 0, host h; rank 1: ...)``; ``""``: local ranks."""
     placed = [(r, f.where) for r, f in failures.items() if getattr(f, "where", "")]
     if len(placed) == 1 and len(failures) == 1:
         return f" ({placed[0][1]})"

@@ -151,8 +151,9 @@ def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> Ba
     naming the ranks when they resolved it differently (e.g. some nodes have GPUs, some not)."""
     seen: Dict[Tuple[str, str], list] = {}
     for rank, info in sorted(infos.items()):
-        names = {part.rpartition(":")[2].strip() for part in str(info.get("backend", "")).split(",")}
-        backend = names.pop() if len(names) == 1 else str(info.get("backend"))
+        config = str(info.get("backend", ""))  # "cpu:gloo,cuda:gloo" -> "gloo"
+        names = {part.rpartition(":")[2].strip() for part in config.split(",")}
+        backend = names.pop() if len(names) == 1 else config
         seen.setdefault((backend, str(info.get("device"))), []).append(rank)
     if len(seen) > 1:
         said = "; ".join(f"{ranks_phrase(rs)}: backend {b}, device {d}"

@@ -67,7 +67,7 @@ def test_ranks_that_resolve_auto_differently_are_named():
     assert (named.backend, named.device) == ("gloo", "cpu")
 
 
-# ---- run / exec / push / pull ----------------------------------------------------------------------
+# ---- run / exec / push / pull --------------------------------------------------------------------
 def test_run_exec_push_pull(g):
     assert g.run(lambda: torch.distributed.get_rank()) == [0, 1]
     assert g.exec("y = rank * 10\ny + world_size") == [2, 12]
@@ -81,7 +81,7 @@ def test_run_exec_push_pull(g):
     assert all(torch.equal(v, big) for v in g.pull("big"))
 
 
-# ---- the magics ------------------------------------------------------------------------------------
+# ---- the magics ----------------------------------------------------------------------------------
 def _cell(shell, line, cell):
     with capture_output() as captured:
         result = shell.run_cell(f"%%dist {line}\n{cell}")
@@ -118,7 +118,7 @@ def test_dist_magic_and_its_flags(g):
                                                for o in captured.outputs)
 
 
-# ---- benchmarks and traces -------------------------------------------------------------------------
+# ---- benchmarks and traces -----------------------------------------------------------------------
 def _traced():
     import torch.distributed as dist
 
@@ -141,7 +141,7 @@ def test_collective_benchmark_and_trace(g):
     assert sorted({e["op"] for e in tr}) == ["all_reduce", "broadcast"]
 
 
-# ---- memory, strategies, Lightning -------------------------------------------------------------------
+# ---- memory, strategies, Lightning ---------------------------------------------------------------
 def _small():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
 
@@ -226,7 +226,7 @@ def test_lightning_fit_one_epoch(g, tmp_path):
     assert results[0].metrics["loss"] == results[1].metrics["loss"]
 
 
-# ---- the launcher panel ------------------------------------------------------------------------------
+# ---- the launcher panel --------------------------------------------------------------------------
 def test_launcher_panel_shows_hosts_nodes_and_why_restart_is_off(g):
     import socket
 
@@ -251,7 +251,7 @@ def test_launcher_panel_shows_hosts_nodes_and_why_restart_is_off(g):
     assert g.state == "ready"
 
 
-# ---- background jobs and metrics ---------------------------------------------------------------------
+# ---- background jobs and metrics -----------------------------------------------------------------
 def _logged(steps):
     import torch.distributed as dist
 
