@@ -36,7 +36,8 @@ RANK_HOOKS = ("nbdist.lightning.guards:install_hooks",)
 class Launcher:
     """Where the ranks of a group come from. A :class:`~nbdist.Group` calls, in order,
     :meth:`choose` (validate options, resolve the backend), :meth:`launch` (ranks ready, or raise
-    leaving none running), and :meth:`cleanup` when the group stops."""
+    leaving none running), :meth:`resolved` (what the ranks use: the group reports it), and
+    :meth:`cleanup` when the group stops."""
 
     attached = False
     #: why :meth:`nbdist.Group.restart` cannot work for this kind of group (``None``: it can)
