@@ -123,7 +123,9 @@ class Rank:
     @property
     def exit_status(self) -> Optional[ExitStatus]:
         """``None`` while the process runs."""
-        return self.process.exit_status
+        status = self.process.exit_status
+        why = getattr(self.channel, "failure", "")
+        return ExitStatus(lost=True, why=why) if why and status and status.lost else status
 
 
 def kill_all(ranks: Iterable[Rank], join: float = 5.0) -> None:

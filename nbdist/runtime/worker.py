@@ -36,9 +36,8 @@ def main(cfg: Dict[str, Any]) -> None:
     os.environ.update(cfg["env"])
     worker = _Worker(cfg)
     worker.connect_streams()
-    channel = transport.Channel(transport.connect(tuple(cfg["address"]), cfg["key"],
-                                                  {"rank": worker.rank, "role": "control",
-                                                   "pid": os.getpid()}))
+    channel = transport.open_channel(tuple(cfg["address"]), cfg["key"],
+                                     {"rank": worker.rank, "role": "control", "pid": os.getpid()})
     _run(worker, channel)
 
 
@@ -52,6 +51,8 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
     channel.send(("ready", -1, info))
     try:
         worker.serve(channel)
+    except transport.IntegrityError as err:  # protected group: a tampered message
+        worker.refuse(err)
     except (ConnectionError, OSError):
         os._exit(71)  # the controller is gone
     try:
@@ -107,8 +108,11 @@ def cli(argv=None) -> None:
                 raise SystemExit(f"nbdist.worker: nothing listens on {host}:{port}; run "
                                  "nbdist.attach() in the notebook first.") from None
             time.sleep(0.5)
-    channel = transport.Channel(transport.connect(address, key, hello))
-    kind, _, extra = channel.recv()
+    channel = transport.open_channel(address, key, hello)
+    try:
+        kind, _, extra = channel.recv()
+    except transport.IntegrityError as err:
+        worker.refuse(err)
     if kind != "config":
         os._exit(72)
     cfg.update(extra, local_rank=local_rank, world_size=world)
