@@ -221,7 +221,9 @@ class OutputRelay:
             except IntegrityError:
                 chunks, eof = [], True  # nothing of a bad frame is shown; the stream is dropped
                 self._emit(who[0], "stderr", f"nbdist: rank {who[0]}'s {who[1]} stream: "
-                           f"{REFUSED_BY_US}.")
+                           f"{REFUSED_BY_US}; the rank is stopped.")
+                if who[0] in self._lifelines:  # its stdout dropped: the rank cannot report
+                    self._lifelines[who[0]].kill()  # (stderr dropped: the lifeline ends it)
         if chunks:
             buf = self._partial.get(who, b"") + b"".join(chunks)
             head, sep, rest = buf.rpartition(b"\n")

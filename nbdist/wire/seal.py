@@ -32,7 +32,7 @@ HEAD = _SIZE.size + TAG
 _SEQ = struct.Struct("!Q")
 REFUSED_BY_US = ("a message failed its integrity check (tampered or corrupted in transit); the "
                  "connection was dropped")
-REFUSED_BY_PEER = ("the other side refused a message from here: it failed its integrity check "
+REFUSED_BY_PEER = ("the other end refused a message sent to it: it failed its integrity check "
                    "there (tampered or corrupted in transit); the connection was dropped")
 EXIT_TAMPERED = 73  #: exit code of a worker that refused a message from the controller
 
