@@ -123,7 +123,7 @@ def _on_control(r: Rank, sel, failures, dead) -> None:
         kind, _, body = r.channel.recv()
     except (ConnectionError, OSError):
         r.process.join(1.0)
-        dead[r.rank] = (r.exit_status or ExitStatus(lost=True), "")
+        dead[r.rank] = (r.exit_status or ExitStatus(lost=True, why=r.channel.failure), "")
         sel.unregister(r.channel.sock)
         return
     if kind == "ready":
