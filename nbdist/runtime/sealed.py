@@ -36,8 +36,8 @@ def _say(text: str) -> None:
 
 
 def _stream_lost(fd: int) -> None:
-    _say(f"nbdist.worker: the controller dropped this rank's {'stdout' if fd == 1 else 'stderr'} "
-         "stream (it refused a message or went away); exiting.\n")
+    """The controller dropped this stream (it refused a frame, or is gone): exit, as the watchdog
+    does when the controller goes away (the controller reports the rank)."""
     os._exit(70)
 
 
