@@ -10,6 +10,10 @@ The stderr socket is also the rank's :class:`Lifeline`: the caller writes one-by
 (interrupt, kill: the worker's watchdog thread acts on them, even while the rank is blocked in a
 collective), and its end of stream says the process is gone. The relay only reads; the lifeline only
 writes and tells liveness.
+
+In a protected group (:mod:`.seal`) a worker's fds 1 and 2 are pipes that a thread of the worker
+sends on in signed frames, the relay checks each frame before showing a byte of it, and each command
+goes in a signed frame too. A stream whose frame fails its check is dropped and the rank stopped.
 """
 from __future__ import annotations
 
