@@ -132,8 +132,9 @@ def main(argv=None):
           f"{med['pull'][True]:13.3f}s{med['pull'][True] / med['pull'][False]:8.2f}")
     print(f"{'run(lambda: None) (of %d)' % run_rounds:28s}{med['run'][False] * 1e3:12.2f}ms"
           f"{med['run'][True] * 1e3:12.2f}ms{med['run'][True] / med['run'][False]:8.2f}")
-    print("ranges (min-max): pull " + ", ".join(f"{a:.3f}-{b:.3f} s" for a, b in spread["pull"].values())
-          + "; run " + ", ".join(f"{a * 1e3:.2f}-{b * 1e3:.2f} ms" for a, b in spread["run"].values()))
+    pulls = ", ".join(f"{a:.3f}-{b:.3f} s" for a, b in spread["pull"].values())
+    runs = ", ".join(f"{a * 1e3:.2f}-{b * 1e3:.2f} ms" for a, b in spread["run"].values())
+    print(f"ranges (min-max, unprotected then protected): pull {pulls}; run {runs}")
     print(f"HMAC-SHA256 of 100 MiB on one core: {res['hmac_100mib_s']:.3f} s")
     if args.out:
         with open(args.out, "w") as f:

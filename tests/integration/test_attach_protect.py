@@ -274,12 +274,14 @@ def netns():
                     ("ip", "link", "set", node_if, "netns", ns),
                     ("ip", "addr", "add", f"{host_ip}/30", "dev", host_if),
                     ("ip", "link", "set", host_if, "up"),
-                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", node_if),
+                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev",
+                     node_if),
                     ("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"),
                     ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")):
             res = _sh(*cmd)
             if res.returncode != 0:
-                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): {res.stderr.strip()}")
+                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): "
+                            f"{res.stderr.strip()}")
         yield ns, host_ip, node_ip
     finally:
         _sh("ip", "link", "del", host_if)
