@@ -7,14 +7,19 @@ from typing import Any, Callable, List, Optional
 from . import group as group_module
 from .attach import AttachLauncher, parse_listen
 from .group import Group
+from .launcher import LocalLauncher
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
-          timeout: float = 60.0, **options) -> Group:
+          timeout: float = 60.0, *, protect: bool = False, **options) -> Group:
     """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
 
     See :class:`Group` for the options. Use it as a context manager to stop it at the end.
+    ``protect=True`` signs every message as :func:`attach` does on a network (a local group talks
+    over loopback only, so it is off by default).
     """
+    if protect:
+        options["_launcher"] = LocalLauncher(protect=True)
     return Group(world_size, backend, device, timeout, **options)
 
 

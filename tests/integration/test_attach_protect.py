@@ -314,3 +314,16 @@ def test_a_tampered_lifeline_command_is_refused_by_the_rank(protected):
     assert protected.proxy.flipped.is_set()
     assert protected.procs[1].wait(30) == 73
     assert f"rank 1, connection to the controller: {TAMPERED}" in protected.log(1)
+
+
+def test_a_local_group_can_be_protected_too(capsys):
+    import torch
+
+    with nbdist.start(2, backend="gloo", device="cpu", protect=True) as g:
+        assert all(ch.seal is not None for ch in (r.channel for r in g._inc.rs.ranks))
+        g.exec("print(f'signed {rank}'); t = torch.arange(300_000.0)")
+        assert all(torch.equal(t, torch.arange(300_000.0)) for t in g.pull("t"))
+        out = capsys.readouterr().out
+        assert "[rank 0] signed 0" in out and "[rank 1] signed 1" in out
+    with nbdist.start(1, backend="gloo", device="cpu") as g:  # the default: plain, as before
+        assert g._inc.rs.ranks[0].channel.seal is None
