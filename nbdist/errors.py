@@ -182,6 +182,7 @@ class ExitStatus:
     lost: bool = False
     #: where the rank ran, for ranks on other hosts (``"node 1, host gpu7"``); not compared
     where: str = field(default="", compare=False)
+    why: str = ""  #: for ``lost``: why the connection broke, when the controller knows
 
     def describe(self) -> str:
         """``exited with code 3`` / ``was killed by SIGKILL (exit code -9)`` / ``lost ...``."""
@@ -195,8 +196,9 @@ def describe_exit(code) -> str:
 
     if isinstance(code, ExitStatus):
         if code.lost:
-            return ("lost its connection to the controller (the process died or its host is "
-                    "unreachable)")
+            return "lost its connection to the controller" + (
+                f": {code.why}" if code.why else
+                " (the process died or its host is unreachable)")
         code = code.code
     if code is None:
         return "died (exit status unknown)"

@@ -7,21 +7,26 @@ from typing import Any, Callable, List, Optional
 from . import group as group_module
 from .attach import AttachLauncher, parse_listen
 from .group import Group
+from .launcher import LocalLauncher
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
-          timeout: float = 60.0, **options) -> Group:
+          timeout: float = 60.0, *, protect: bool = False, **options) -> Group:
     """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
 
     See :class:`Group` for the options. Use it as a context manager to stop it at the end.
+    ``protect=True`` signs every message as :func:`attach` does on a network (a local group talks
+    over loopback only, so it is off by default).
     """
+    if protect:
+        options["_launcher"] = LocalLauncher(protect=True)
     return Group(world_size, backend, device, timeout, **options)
 
 
 def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",
            device: Optional[str] = "auto", timeout: float = 60.0, *, key_file: Optional[str] = None,
            join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
-           progress: bool = True, **options) -> Group:
+           progress: bool = True, protect: Optional[bool] = None, **options) -> Group:
     """Open a group whose ``world_size`` ranks run elsewhere, started by torchrun or srun.
 
     The notebook listens on ``listen`` (``"HOST:PORT"``; an address you choose, never all
@@ -31,9 +36,15 @@ def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] 
     :class:`DistTimeoutError` after ``join_timeout`` seconds naming the missing ranks). Each rank
     takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
     on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
+
+    ``protect``: sign every message after the handshake (HMAC-SHA256 with per-connection keys and
+    sequence numbers; a tampered message is refused and its connection dropped). ``None`` (the
+    default) protects unless ``listen`` is a loopback address; ``True`` forces it on loopback too;
+    ``False`` turns it off, for a network you trust. It gives integrity, not secrecy: see
+    docs/multinode.md. The ranks learn the choice from the controller's authenticated handshake.
     """
     launcher = AttachLauncher(parse_listen(listen), key_file, join_timeout, nproc_per_node,
-                              progress)
+                              progress, protect)
     return Group(world_size, backend, device, timeout, _launcher=launcher, **options)
 
 

@@ -38,8 +38,10 @@ class AttachLauncher(Launcher):
 
     def __init__(self, address: Tuple[str, int], key_file: Optional[str] = None,
                  join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
-                 progress: bool = True):
+                 progress: bool = True, protect: Optional[bool] = None):
         self.address, self.key_file, self.own_key_file = address, key_file, key_file is None
+        #: every message sealed (:mod:`nbdist.wire.seal`): on unless the address is loopback
+        self.protect = not is_loopback(address[0]) if protect is None else bool(protect)
         self.join_timeout, self.nproc_per_node, self.progress = join_timeout, nproc_per_node, progress
         self.commands: Dict[str, str] = {}
 
@@ -62,7 +64,9 @@ class AttachLauncher(Launcher):
             self.key_file = write_key(key, self.key_file)
             self.commands = commands(host, port, self.key_file, ws, self.nproc_per_node)
             if self.progress:
-                print(f"nbdist: waiting for {ws} ranks on {host}:{port} (key in {self.key_file}; "
+                print(f"nbdist: waiting for {ws} ranks on {host}:{port} ("
+                      f"{'messages signed' if self.protect else 'unprotected'}; "
+                      f"key in {self.key_file}; "
                       f"copy it to the nodes, mode 0600). Start them with\n"
                       f"  {self.commands['torchrun']}\nor\n  {self.commands['srun']}")
             store = dist.TCPStore(host, 0, ws, is_master=True, wait_for_workers=False,
@@ -74,6 +78,7 @@ class AttachLauncher(Launcher):
                       "env": dict(opts["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
                                                         if opts["debug"] else {}))}
             admission = _Remote(ws, config, relay, self.progress)
+            admission.protect = self.protect
             ranks: Dict[int, Rank] = {}
             try:
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
@@ -110,7 +115,7 @@ class _Remote(Admission):
         self.world_size, self.config, self.relay = world_size, config, relay
         self.bar = _bar(world_size, progress)
 
-    def control(self, hello, conn, ranks):
+    def control(self, hello, channel, ranks):
         rank = int(hello["rank"])
         if int(hello.get("world_size", self.world_size)) != self.world_size:
             print(f"nbdist: refused rank {rank} from {hello.get('host')}: it was started with "
@@ -122,7 +127,7 @@ class _Remote(Admission):
             return None
         proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")),
                              self.relay, str(hello.get("node", "?")))
-        r = Rank(rank, proc, channel=transport.Channel(conn))
+        r = Rank(rank, proc, channel=channel)
         r.channel.send(("config", -1, self.config))
         return r
 
@@ -181,6 +186,22 @@ def parse_listen(listen: str) -> Tuple[str, int]:
         raise ValueError("listen on one address you chose, not on all interfaces "
                          f"({host!r}); use the address the nodes reach this machine at.")
     return host.strip("[]"), int(port)
+
+
+def is_loopback(host: str) -> bool:
+    """True if ``host`` (an address or a name) is a loopback address: only this machine."""
+    import ipaddress
+    import socket
+
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        try:
+            infos = socket.getaddrinfo(host, None)
+        except OSError:
+            return False
+        return bool(infos) and all(ipaddress.ip_address(i[4][0].split("%")[0]).is_loopback
+                                   for i in infos)
 
 
 def write_key(key: bytes, path: Optional[str]) -> str:

@@ -113,7 +113,10 @@ class Incarnation:
 
 
 class LocalLauncher(Launcher):
-    """Fresh worker processes on this machine."""
+    """Fresh worker processes on this machine (``protect``: every message signed)."""
+
+    def __init__(self, protect: bool = False):
+        self.protect = protect
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
         """Resolve the backend; refuse a world size this machine cannot run well."""
@@ -140,7 +143,7 @@ class LocalLauncher(Launcher):
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
-                              float(opts["init_timeout"] or opts["timeout"]))
+                              float(opts["init_timeout"] or opts["timeout"]), self.protect)
         return ranks, None
 
 
@@ -188,7 +191,7 @@ def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dic
 
 def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout: float,
                   threads: Optional[int], env: Dict[str, str], store_path: str,
-                  relay: OutputRelay, init_timeout: float) -> List[Rank]:
+                  relay: OutputRelay, init_timeout: float, protect: bool = False) -> List[Rank]:
     """Start ``world_size`` workers and return them once all are ready (or raise, leaving none)."""
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
@@ -209,8 +212,9 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
             with main_hidden():
                 proc.start()
             ranks[r] = Rank(r, LocalProcess(proc))
-        return accept_until_ready(listener, key, world_size, ranks, relay, init_timeout,
-                                  Admission())
+        admission = Admission()
+        admission.protect = protect
+        return accept_until_ready(listener, key, world_size, ranks, relay, init_timeout, admission)
     except BaseException:
         kill_all(ranks.values())
         for r in ranks:

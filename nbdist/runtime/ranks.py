@@ -128,7 +128,11 @@ class Rank:
     @property
     def exit_status(self) -> Optional[ExitStatus]:
         """``None`` while the process runs."""
-        return self.process.exit_status
+        status = self.process.exit_status
+        why = getattr(self.channel, "failure", "")
+        if why and status and status.lost:
+            return ExitStatus(lost=True, where=status.where, why=why)
+        return status
 
 
 def kill_all(ranks: Iterable[Rank], join: float = 5.0) -> None:

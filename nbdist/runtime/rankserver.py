@@ -26,9 +26,10 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from ..wire import seal as seal_module
 from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
-from . import imports, ranklog
+from . import imports, ranklog, sealed
 from .worker_signals import SIGINT_MASK, SIGINT_SET, ignore_sigint, sigint_ignored, sigint_to_user
 
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
@@ -50,14 +51,18 @@ class _Worker:
     def connect_streams(self) -> None:
         address = tuple(self.cfg["address"])
         key = self.cfg["key"]
+        self.lifeline_seal = None
         for fd, stream in ((1, "stdout"), (2, "stderr")):
-            sock = transport.connect(address, key, {"rank": self.rank, "role": stream,
-                                                    "pid": os.getpid()})
+            sock, seal = transport.connect_session(address, key, {"rank": self.rank, "role": stream,
+                                                                  "pid": os.getpid()})
             sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-            os.dup2(sock.fileno(), fd)
-            if fd == 2:
-                self.lifeline = sock  # keep one end for the watchdog
+            if seal is not None:  # protected: fd -> pipe -> a thread that seals -> socket
+                sealed.protect_fd(fd, sock, seal, self.refuse)
             else:
+                os.dup2(sock.fileno(), fd)
+            if fd == 2:
+                self.lifeline, self.lifeline_seal = sock, seal  # one end for the watchdog
+            elif seal is None:
                 sock.close()
         sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
                           closefd=False)
@@ -72,16 +77,26 @@ class _Worker:
         main_id = threading.main_thread().ident
         try:
             while True:
-                data = self.lifeline.recv(64)
+                if self.lifeline_seal is not None:  # protected: one sealed command per frame
+                    data = seal_module.read_frame(self.lifeline, self.lifeline_seal,
+                                                  transport.recv_exact)
+                else:
+                    data = self.lifeline.recv(64)
                 if not data:
                     break
                 if b"K" in data:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if b"I" in data:
                     signal.pthread_kill(main_id, signal.SIGINT)
+        except seal_module.IntegrityError as err:
+            self.refuse(err)
         except OSError:
             pass
         os._exit(70)
+
+    def refuse(self, err: BaseException) -> None:
+        """A protected connection failed: say why on the launcher's log and to the caller, exit."""
+        sealed.refuse(self.rank, err)
 
     def init_dist(self) -> Dict[str, Any]:
         cfg = self.cfg
@@ -254,6 +269,7 @@ def _flush_output() -> None:
         pass
     if _libc is not None:
         _libc.fflush(None)
+    seal_module.drain_pumps()  # protected streams: sent before the reply (no-op otherwise)
 
 
 try:

@@ -26,7 +26,9 @@ from .ranks import Rank
 class Admission:
     """What a launcher decides while ranks join (the defaults suit ranks nbdist started)."""
 
-    def control(self, hello: Dict[str, Any], conn: socket.socket,
+    protect = False  #: seal every connection's messages (:mod:`nbdist.wire.seal`)
+
+    def control(self, hello: Dict[str, Any], channel: transport.Channel,
                 ranks: Dict[int, Rank]) -> Optional[Rank]:
         """The rank a control connection belongs to, or ``None`` to refuse it."""
         r = ranks.get(int(hello["rank"]))
@@ -92,12 +94,13 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
 def _accept(listener, key, world_size, ranks, relay, sel, admission: Admission) -> None:
     conn, _ = listener.accept()
     try:
-        hello = transport.server_handshake(conn, key, timeout=5.0)
+        hello, seal = transport.accept_session(conn, key, 5.0, admission.protect)
         rank, role = int(hello["rank"]), hello["role"]
         if not 0 <= rank < world_size or role not in ("control", "stdout", "stderr"):
             raise transport.AuthenticationError(f"unexpected hello {hello!r}")
         if role == "control":
-            r = admission.control(hello, conn, ranks)
+            channel = transport.Channel(conn, seal)
+            r = admission.control(hello, channel, ranks)
             if r is None:
                 raise transport.AuthenticationError("control connection refused")
         elif not admission.stream(hello, role, relay):
@@ -106,10 +109,10 @@ def _accept(listener, key, world_size, ranks, relay, sel, admission: Admission) 
         conn.close()  # refuse quietly: nothing the peer sent was interpreted
         return
     if role != "control":
-        relay.add(rank, role, conn)
+        relay.add(rank, role, conn, seal)
         return
     if r.channel is None:
-        r.channel = transport.Channel(conn)
+        r.channel = channel
     ranks[rank] = r
     sel.register(conn, selectors.EVENT_READ, ("ctl", rank))
     admission.joined(r)
@@ -121,7 +124,8 @@ def _on_control(r: Rank, sel, failures, dead) -> None:
     except (ConnectionError, OSError):
         r.process.join(1.0)
         where = getattr(r.process, "where", "")
-        dead[r.rank] = (r.exit_status or ExitStatus(lost=True, where=where), "")
+        dead[r.rank] = (r.exit_status or ExitStatus(lost=True, where=where, why=r.channel.failure),
+                        "")
         sel.unregister(r.channel.sock)
         return
     if kind == "ready":

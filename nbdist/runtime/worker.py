@@ -6,7 +6,8 @@ A worker is a fresh interpreter (a forkserver child with torch preloaded, or a s
 1. blocks SIGINT outside user code (:mod:`.worker_signals`), rebuilds its environment from the
    caller's (launcher variables such as ``SLURM_*`` removed, ``RANK``/``LOCAL_RANK``/... set),
 2. connects its stdout and stderr -- the file descriptors themselves, so C++ output and the text of
-   an abort reach the caller too -- and its control channel, each authenticated with the group key,
+   an abort reach the caller too (in a protected group, through a pipe and a thread that signs:
+   :mod:`.sealed`) -- and its control channel, each authenticated with the group key,
 3. registers custom backends, then calls ``init_process_group`` with an explicit timeout,
 4. serves requests (:mod:`.rankserver`) until told to stop; it then destroys the process group
    before exiting.
@@ -36,9 +37,8 @@ def main(cfg: Dict[str, Any]) -> None:
     os.environ.update(cfg["env"])
     worker = _Worker(cfg)
     worker.connect_streams()
-    channel = transport.Channel(transport.connect(tuple(cfg["address"]), cfg["key"],
-                                                  {"rank": worker.rank, "role": "control",
-                                                   "pid": os.getpid()}))
+    channel = transport.open_channel(tuple(cfg["address"]), cfg["key"],
+                                     {"rank": worker.rank, "role": "control", "pid": os.getpid()})
     _run(worker, channel)
 
 
@@ -52,6 +52,8 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
     channel.send(("ready", -1, info))
     try:
         worker.serve(channel)
+    except transport.IntegrityError as err:  # protected group: a tampered message
+        worker.refuse(err)
     except (ConnectionError, OSError):
         os._exit(71)  # the controller is gone
     try:
@@ -107,8 +109,11 @@ def cli(argv=None) -> None:
                 raise SystemExit(f"nbdist.worker: nothing listens on {host}:{port}; run "
                                  "nbdist.attach() in the notebook first.") from None
             time.sleep(0.5)
-    channel = transport.Channel(transport.connect(address, key, hello))
-    kind, _, extra = channel.recv()
+    channel = transport.open_channel(address, key, hello)
+    try:
+        kind, _, extra = channel.recv()
+    except transport.IntegrityError as err:
+        worker.refuse(err)
     if kind != "config":
         os._exit(72)
     cfg.update(extra, local_rank=local_rank, world_size=world)

@@ -10,6 +10,10 @@ The stderr socket is also the rank's :class:`Lifeline`: the caller writes one-by
 (interrupt, kill: the worker's watchdog thread acts on them, even while the rank is blocked in a
 collective), and its end of stream says the process is gone. The relay only reads; the lifeline only
 writes and tells liveness.
+
+In a protected group (:mod:`.seal`) a worker's fds 1 and 2 are pipes that a thread of the worker
+sends on in signed frames, the relay checks each frame before showing a byte of it, and each command
+goes in a signed frame too. A stream whose frame fails its check is dropped and the rank stopped.
 """
 from __future__ import annotations
 
@@ -21,6 +25,8 @@ import sys
 import threading
 import time
 from typing import Callable, Deque, Dict, Optional, Tuple
+
+from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
 
 Sink = Callable[[int, str, str], None]
 Tick = Callable[[float], Optional[float]]
@@ -40,10 +46,13 @@ class Lifeline:
     Safe from any thread. A command on a closed lifeline returns False (the rank is gone).
     """
 
-    def __init__(self, rank: int, sock: socket.socket, closed: threading.Event):
+    def __init__(self, rank: int, sock: socket.socket, closed: threading.Event,
+                 seal: Optional[Seal] = None):
         self.rank = rank
         self._sock = sock
         self._closed = closed
+        self._seal = seal  # protected: each command goes in a sealed frame
+        self._lock = threading.Lock()
 
     def interrupt(self) -> bool:
         """Deliver SIGINT to the rank's main thread (as the notebook's interrupt button would)."""
@@ -57,7 +66,11 @@ class Lifeline:
         if self._closed.is_set():
             return False
         try:
-            self._sock.send(command)
+            if self._seal is None:
+                self._sock.send(command)
+            else:
+                with self._lock:
+                    self._sock.send(self._seal.frame(command))
             return True
         except OSError:
             return False
@@ -93,19 +106,23 @@ class OutputRelay:
         self._sel.register(self._wake_r, selectors.EVENT_READ, None)
         self._closed = False
         self._lifelines: Dict[int, Lifeline] = {}
+        self._frames: Dict[Tuple[int, str], FrameReader] = {}
         self._thread = threading.Thread(target=self._loop, name="nbdist-output", daemon=True)
         self._thread.start()
 
-    def add(self, rank: int, stream: str, sock: socket.socket) -> None:
+    def add(self, rank: int, stream: str, sock: socket.socket, seal: Optional[Seal] = None) -> None:
         """Start relaying ``stream`` ("stdout"/"stderr") of ``rank`` from ``sock``; the stderr
-        socket also becomes the rank's :meth:`lifeline`."""
+        socket also becomes the rank's :meth:`lifeline`. With a ``seal`` the stream carries sealed
+        frames: one that fails its check drops the stream (and says so on the rank's stderr)."""
         sock.setblocking(False)
         with self._lock:
             self._eof[(rank, stream)] = threading.Event()
             self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
+            if seal is not None:
+                self._frames[(rank, stream)] = FrameReader(seal)
             self._sel.register(sock, selectors.EVENT_READ, (rank, stream))
             if stream == "stderr":
-                self._lifelines[rank] = Lifeline(rank, sock, self._eof[(rank, stream)])
+                self._lifelines[rank] = Lifeline(rank, sock, self._eof[(rank, stream)], seal)
         self._wake_w.send(b"x")
 
     def lifeline(self, rank: int) -> Optional[Lifeline]:
@@ -201,6 +218,16 @@ class OutputRelay:
                 eof = True
                 break
             chunks.append(data)
+        reader = self._frames.get(who)
+        if chunks and reader is not None:
+            try:
+                chunks = reader.feed(b"".join(chunks))
+            except IntegrityError:
+                chunks, eof = [], True  # nothing of a bad frame is shown; the stream is dropped
+                self._emit(who[0], "stderr", f"nbdist: rank {who[0]}'s {who[1]} stream: "
+                           f"{REFUSED_BY_US}; the rank is stopped.")
+                if who[0] in self._lifelines:  # its stdout dropped: the rank cannot report
+                    self._lifelines[who[0]].kill()  # (stderr dropped: the lifeline ends it)
         if chunks:
             buf = self._partial.get(who, b"") + b"".join(chunks)
             head, sep, rest = buf.rpartition(b"\n")

@@ -6,6 +6,10 @@ they hold the key is anything unpickled. Then messages travel as ``8-byte length
 
 A failed or slow handshake raises :class:`AuthenticationError` and the socket is closed; the peer
 learns nothing and nothing it sent is interpreted.
+
+The server (the controller) decides whether the connection is *protected* and says so in its
+authenticated answer (a mode byte covered by its MAC, so nobody on the path can turn it off). On a
+protected connection the hello and every later message is sealed (:mod:`nbdist.wire.seal`).
 """
 from __future__ import annotations
 
@@ -20,12 +24,16 @@ import time
 from hashlib import sha256
 from typing import Any, Dict, Optional, Tuple
 
-MAGIC = b"NBDIST01"
+from . import seal as seal_module
+from .seal import IntegrityError, Seal, read_frame  # noqa: F401 -- IntegrityError: re-exported
+
+MAGIC = b"NBDIST02"
 NONCE = 32
 DIGEST = 32
 _HEADER = struct.Struct("!Q")
 _MAX_HELLO = 4096
 HANDSHAKE_TIMEOUT = 10.0
+_PLAIN, _SEALED = b"-", b"P"
 
 
 class AuthenticationError(ConnectionError):
@@ -65,8 +73,16 @@ def server_handshake(sock: socket.socket, key: bytes,
     """Authenticate a freshly accepted connection; return the peer's hello (a small JSON dict).
 
     The whole exchange must finish within ``timeout`` seconds."""
+    return accept_session(sock, key, timeout)[0]
+
+
+def accept_session(sock: socket.socket, key: bytes, timeout: float = HANDSHAKE_TIMEOUT,
+                   protect: bool = False) -> Tuple[Dict[str, Any], Optional[Seal]]:
+    """:func:`server_handshake` that also tells the peer whether the connection is protected;
+    return the hello and the connection's :class:`~nbdist.wire.seal.Seal` (``None``: plain)."""
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
+    seal = None
     try:
         nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + nonce)
@@ -76,24 +92,32 @@ def server_handshake(sock: socket.socket, key: bytes,
         mac, client_nonce = reply[len(MAGIC):len(MAGIC) + DIGEST], reply[len(MAGIC) + DIGEST:]
         if not hmac.compare_digest(mac, _mac(key, b"client", nonce)):
             raise AuthenticationError("peer does not hold the group key")
-        sock.sendall(_mac(key, b"server", client_nonce))
-        (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
-        if size > _MAX_HELLO:
-            raise AuthenticationError("hello message too large")
-        hello = json.loads(recv_exact(sock, size, deadline).decode("utf-8"))
+        mode = _SEALED if protect else _PLAIN
+        sock.sendall(mode + _mac(key, b"server" + mode, client_nonce))
+        if protect:
+            seal = Seal(key, nonce, client_nonce, is_server=True)
+            body = read_frame(sock, seal, lambda s, n: recv_exact(s, min(n, _MAX_HELLO), deadline))
+        else:
+            (size,) = _HEADER.unpack(recv_exact(sock, _HEADER.size, deadline))
+            if size > _MAX_HELLO:
+                raise AuthenticationError("hello message too large")
+            body = recv_exact(sock, size, deadline)
+        hello = json.loads(body.decode("utf-8"))
         if not isinstance(hello, dict):
             raise AuthenticationError("malformed hello")
-    except (OSError, ValueError) as err:
+    except (OSError, ValueError) as err:  # IntegrityError is an OSError (ConnectionError)
         raise AuthenticationError(f"handshake failed: {err}") from err
     sock.settimeout(None)
-    return hello
+    return hello, seal
 
 
 def client_handshake(sock: socket.socket, key: bytes, hello: Dict[str, Any],
-                     timeout: float = HANDSHAKE_TIMEOUT) -> None:
-    """Prove we hold ``key``, check the server does too, then send ``hello``."""
+                     timeout: float = HANDSHAKE_TIMEOUT) -> Optional[Seal]:
+    """Prove we hold ``key``, check the server does too, then send ``hello``; return the
+    connection's :class:`~nbdist.wire.seal.Seal` if the server protects it (else ``None``)."""
     deadline = time.monotonic() + timeout
     sock.settimeout(timeout)
+    seal = None
     try:
         head = recv_exact(sock, len(MAGIC) + NONCE, deadline)
         if head[:len(MAGIC)] != MAGIC:
@@ -101,25 +125,48 @@ def client_handshake(sock: socket.socket, key: bytes, hello: Dict[str, Any],
         my_nonce = os.urandom(NONCE)
         sock.sendall(MAGIC + _mac(key, b"client", head[len(MAGIC):]) + my_nonce)
         try:
-            answer = recv_exact(sock, DIGEST, deadline)
+            answer = recv_exact(sock, 1 + DIGEST, deadline)
         except ConnectionError:
             raise AuthenticationError("the controller refused this connection: wrong group key "
                                       "(check --key-file)") from None
-        if not hmac.compare_digest(answer, _mac(key, b"server", my_nonce)):
+        mode = answer[:1]
+        if mode not in (_PLAIN, _SEALED) or \
+                not hmac.compare_digest(answer[1:], _mac(key, b"server" + mode, my_nonce)):
             raise AuthenticationError("server does not hold the group key")
         body = json.dumps(hello).encode("utf-8")
-        sock.sendall(_HEADER.pack(len(body)) + body)
+        if mode == _SEALED:
+            seal = Seal(key, head[len(MAGIC):], my_nonce, is_server=False)
+            sock.sendall(seal.frame(body))
+        else:
+            sock.sendall(_HEADER.pack(len(body)) + body)
     except OSError as err:
         raise AuthenticationError(f"handshake failed: {err}") from err
     sock.settimeout(None)
+    return seal
 
 
 def connect(address: Tuple[str, int], key: bytes, hello: Dict[str, Any]) -> socket.socket:
-    """Open an authenticated connection to the controller at ``address``."""
+    """Open an authenticated connection to the controller at ``address`` (see
+    :func:`connect_session` for one the controller may protect)."""
+    return connect_session(address, key, hello)[0]
+
+
+def connect_session(address: Tuple[str, int], key: bytes,
+                    hello: Dict[str, Any]) -> Tuple[socket.socket, Optional[Seal]]:
+    """Open an authenticated connection; return it and its :class:`~nbdist.wire.seal.Seal`
+    (``None`` unless the controller protects the connection)."""
     sock = socket.create_connection(address, timeout=HANDSHAKE_TIMEOUT)
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    client_handshake(sock, key, hello)
-    return sock
+    try:
+        return sock, client_handshake(sock, key, hello)
+    except BaseException:
+        sock.close()
+        raise
+
+
+def open_channel(address: Tuple[str, int], key: bytes, hello: Dict[str, Any]) -> "Channel":
+    """A control :class:`Channel` to the controller, protected if the controller says so."""
+    return Channel(*connect_session(address, key, hello))
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -129,13 +176,17 @@ def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 
 class Channel:
-    """Length-prefixed pickle messages over an authenticated socket (thread-safe sends)."""
+    """Length-prefixed pickle messages over an authenticated socket (thread-safe sends); sealed
+    (:mod:`nbdist.wire.seal`) when ``seal`` is given: a message that fails its check raises
+    :class:`~nbdist.wire.seal.IntegrityError`, the peer is told and the connection dropped."""
 
-    def __init__(self, sock: socket.socket):
+    def __init__(self, sock: socket.socket, seal: Optional[Seal] = None):
         self.sock = sock
+        self.seal = seal
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = threading.Lock()
         self.torn = False  # True while a message is half sent or half read (an interrupt hit)
+        self.failure = ""  #: why a protected channel was dropped ("" while it is fine)
 
     def fileno(self) -> int:
         """The socket's file descriptor (so channels can be passed to ``select``)."""
@@ -145,7 +196,15 @@ class Channel:
         """Send one framed message whose body is ``data``."""
         with self._send_lock:
             self.torn = True
-            if len(data) < 65536:
+            if self.seal is not None:
+                head, tail = self.seal.wrap(data)
+                if len(data) < 65536:
+                    self.sock.sendall(head + data + tail)
+                else:
+                    self.sock.sendall(head)
+                    self.sock.sendall(data)
+                    self.sock.sendall(tail)
+            elif len(data) < 65536:
                 self.sock.sendall(_HEADER.pack(len(data)) + data)
             else:
                 self.sock.sendall(_HEADER.pack(len(data)))
@@ -155,17 +214,41 @@ class Channel:
     def recv_bytes(self) -> bytes:
         """Receive one framed message body (raises ``ConnectionError`` on EOF)."""
         self.torn = True
-        (size,) = _HEADER.unpack(recv_exact(self.sock, _HEADER.size))
-        data = recv_exact(self.sock, size)
+        if self.seal is not None:
+            try:
+                data = read_frame(self.sock, self.seal, recv_exact)
+            except IntegrityError as err:
+                self._drop(err)
+                raise
+        else:
+            (size,) = _HEADER.unpack(recv_exact(self.sock, _HEADER.size))
+            data = recv_exact(self.sock, size)
         self.torn = False
         return data
+
+    def _drop(self, err: IntegrityError) -> None:
+        """Tell the peer (unless it told us) and drop the connection: nothing more is read."""
+        self.failure = str(err)
+        if str(err) != seal_module.REFUSED_BY_PEER:
+            if self._send_lock.acquire(timeout=1.0):  # a send stuck on a full socket: skip
+                try:
+                    self.sock.sendall(self.seal.frame(b""))
+                except OSError:
+                    pass
+                finally:
+                    self._send_lock.release()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
     def send(self, obj: Any) -> None:
         """Pickle ``obj`` and send it."""
         self.send_bytes(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
 
     def recv(self) -> Any:
-        """Receive and unpickle one message (only ever used on authenticated sockets)."""
+        """Receive and unpickle one message (only ever used on authenticated sockets; on a
+        protected one, only after its tag was checked)."""
         return pickle.loads(self.recv_bytes())
 
     def close(self) -> None:
