@@ -82,8 +82,10 @@ class RemoteProcess:
 
     @property
     def where(self) -> str:
-        """``"node 1, host gpu7"``: how messages place this rank."""
-        return f"node {self.node}, host {self.host}"
+        """``"node 1, host gpu7"`` (``"host gpu7"`` when the launcher named no node): how
+        messages place this rank."""
+        node = f"node {self.node}, " if self.node not in ("", "?") else ""
+        return f"{node}host {self.host}"
 
     def expect_exit(self) -> None:
         """We asked the rank to stop: its lifeline closing then means a clean exit."""

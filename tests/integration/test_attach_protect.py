@@ -225,7 +225,8 @@ def test_a_tampered_reply_is_refused_and_the_rank_reported(protected):
     with pytest.raises(nbdist.RankDiedError) as info:
         protected.group.run(lambda: "a reply worth tampering with")
     assert protected.proxy.flipped.is_set()
-    assert f"rank 1 lost its connection to the controller: {TAMPERED}" in str(info.value)
+    assert f"rank 1 (host {socket.gethostname()}) lost its connection to the controller: {TAMPERED}" \
+        in str(info.value)
     assert protected.procs[1].wait(30) == 73
     assert TOLD in protected.log(1)  # the rank's own stderr (the launcher's log) says why
 
@@ -235,7 +236,8 @@ def test_a_tampered_request_is_refused_by_the_rank(protected):
     with pytest.raises(nbdist.RankDiedError) as info:
         protected.group.run(lambda: "never run on rank 0")
     text = str(info.value)
-    assert f"rank 0 lost its connection to the controller: {TOLD}" in text
+    assert f"rank 0 (host {socket.gethostname()}) lost its connection to the controller: {TOLD}" \
+        in text
     assert protected.procs[0].wait(30) == 73
     assert f"rank 0, connection to the controller: {TAMPERED}" in protected.log(0)
     assert TAMPERED in text  # the rank's line reached the caller too (its stderr tail)
