@@ -3,5 +3,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup-venv.sh
-.venv/bin/lint-imports --no-cache   # the layers contract in pyproject.toml
-exec .venv/bin/python -m pytest -q "$@"
+BIN=.venv/bin; [ -d .venv/Scripts ] && BIN=.venv/Scripts  # Windows' venv layout (CI matrix only)
+"$BIN/lint-imports" --no-cache   # the layers contract in pyproject.toml
+exec "$BIN/python" -m pytest -q "$@"

@@ -74,21 +74,34 @@ def no_leaks(request):
     assert not new_segs, f"test leaked shared-memory segments: {sorted(new_segs)}"
 
 
+#: The start methods the parametrised suites run under (issue 20): spawn is Windows' only one.
+START_METHODS = ("forkserver", "spawn")
+
+
 @pytest.fixture
-def group():
+def start_method():
+    """How the ``group`` fixture starts its workers: ``None`` (the default). A test parametrised
+    with ``@pytest.mark.parametrize("start_method", START_METHODS)`` overrides it."""
+    return None
+
+
+@pytest.fixture
+def group(start_method):
     """A fresh 2-rank gloo group, stopped after the test."""
     import nbdist
 
-    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30, start_method=start_method)
     yield g
     g.stop()
 
 
 @pytest.fixture(scope="module")
-def shared_group():
-    """A 2-rank group shared by a module's tests (they must leave it usable)."""
+def shared_group(request):
+    """A 2-rank group shared by a module's tests (they must leave it usable). A module that
+    overrides it with ``params=START_METHODS`` gets one group per start method."""
     import nbdist
 
-    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30,
+                     start_method=getattr(request, "param", None))
     yield g
     g.stop()

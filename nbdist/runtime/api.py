@@ -11,16 +11,20 @@ from .launcher import LocalLauncher
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
-          timeout: float = 60.0, *, protect: bool = False, **options) -> Group:
+          timeout: float = 60.0, *, start_method: Optional[str] = None, protect: bool = False,
+          **options) -> Group:
     """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
 
     See :class:`Group` for the options. Use it as a context manager to stop it at the end.
-    ``protect=True`` signs every message as :func:`attach` does on a network (a local group talks
-    over loopback only, so it is off by default).
+    ``start_method`` is how the worker processes start: ``"forkserver"`` (the default where the OS
+    has it: Linux, macOS; torch is imported once, in the server) or ``"spawn"`` (the only one on
+    Windows; each rank imports torch itself, a few seconds more per start, nothing inherited from
+    the server). ``None`` takes the ``NBDIST_START_METHOD`` environment variable if set. Restarts
+    keep the method. ``protect=True`` signs every message as :func:`attach` does on a network (a
+    local group talks over loopback only, so it is off by default).
     """
-    if protect:
-        options["_launcher"] = LocalLauncher(protect=True)
-    return Group(world_size, backend, device, timeout, **options)
+    return Group(world_size, backend, device, timeout,
+                 _launcher=LocalLauncher(start_method, protect=protect), **options)
 
 
 def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",

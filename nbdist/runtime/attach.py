@@ -205,12 +205,18 @@ def is_loopback(host: str) -> bool:
 
 
 def write_key(key: bytes, path: Optional[str]) -> str:
-    """Write the hex key to ``path`` (or a new private temp file) with mode 0600; return the path."""
+    """Write the hex key to ``path`` (or a new private temp file) with mode 0600; return the path.
+
+    Where there is no ``fchmod`` (Windows) the mode is set by path; Windows maps it to the
+    read-only flag only, so privacy there rests on the per-user temp dir's permissions."""
     if path is None:
         fd, path = tempfile.mkstemp(prefix="nbdist-key-", suffix=".hex")
     else:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.fchmod(fd, 0o600)
+    if hasattr(os, "fchmod"):
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode through os.open: tighten it
+    else:
+        os.chmod(path, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(key.hex())
     return path

@@ -1,5 +1,11 @@
 """Where fresh workers come from: forkserver children with torch preloaded, spawn elsewhere.
 
+The start method is ``"forkserver"`` where the OS has it (Linux, macOS) and ``"spawn"`` elsewhere
+(Windows); ``nbdist.start(..., start_method="spawn")`` or the ``NBDIST_START_METHOD`` environment
+variable choose spawn where both exist (each rank then imports torch itself: slower to start, but
+nothing is inherited from a preloaded server). ``"fork"`` is refused: forking a kernel that runs
+threads (the output relay, IPython's) can deadlock the child, and CUDA cannot be used after a fork.
+
 Workers never import the caller's ``__main__`` (multiprocessing normally re-runs the main script in
 every child): :func:`main_hidden` shows multiprocessing a ``__main__`` without a file while a worker
 (or the forkserver) starts.
@@ -8,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
@@ -15,25 +22,51 @@ import types
 from typing import Optional
 
 
-def mp_context():
-    """forkserver (torch preloaded) where available, spawn elsewhere (Windows)."""
-    if "forkserver" in mp.get_all_start_methods():
-        ctx = mp.get_context("forkserver")
+#: the environment variable that sets the default start method (``forkserver`` or ``spawn``)
+ENV_VAR = "NBDIST_START_METHOD"
+
+
+def start_methods() -> list:
+    """The start methods nbdist can use here, the default first."""
+    return [m for m in ("forkserver", "spawn") if m in mp.get_all_start_methods()]
+
+
+def check_start_method(method: Optional[str]) -> str:
+    """``method`` if nbdist can start workers that way here (``None``: the default), else raise."""
+    usable = start_methods()
+    if method is None:
+        method = os.environ.get(ENV_VAR) or usable[0]
+        where = f" (from {ENV_VAR})" if os.environ.get(ENV_VAR) else ""
+    else:
+        where = ""
+    if method not in usable:
+        raise ValueError(f"start_method must be one of {', '.join(map(repr, usable))} on this "
+                         f"platform, got {method!r}{where}")
+    return method
+
+
+def mp_context(start_method: Optional[str] = None):
+    """forkserver (torch preloaded) where available, spawn elsewhere (Windows) or when asked."""
+    method = check_start_method(start_method)
+    ctx = mp.get_context(method)
+    if method == "forkserver":
         ctx.set_forkserver_preload(["nbdist.runtime.preload"])  # the worker module, torch
-        return ctx
-    return mp.get_context("spawn")
+    return ctx
 
 
 def prewarm(background: bool = True) -> Optional[threading.Thread]:
     """Start the forkserver (and its torch import, about a second) now, so the first group starts
     fast. ``%load_ext nbdist`` calls this in the background (the thread is returned). No-op where
-    there is no forkserver.
+    there is no forkserver, or when the default start method is spawn.
 
     The forkserver starts with SIGINT blocked, and ignores it from its first import on
     (:mod:`nbdist.runtime.preload`): an "interrupt kernel" or a kernel shutdown during its imports
     neither kills it nor prints a ``KeyboardInterrupt`` traceback.
     """
-    ctx = mp_context()
+    try:
+        ctx = mp_context()
+    except ValueError:  # a bad NBDIST_START_METHOD: the group's start says so
+        return None
     if ctx.get_start_method() != "forkserver":
         return None
 

@@ -23,7 +23,8 @@ from ..backends import BackendChoice, resolve_backend
 from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
 from .current import say_once
-from .forkserver import main_hidden, mp_context, prewarm  # noqa: F401 -- prewarm: documented here
+from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F401
+                         prewarm)  # prewarm: documented here
 from .ranks import LocalProcess, Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
 
@@ -113,9 +114,13 @@ class Incarnation:
 
 
 class LocalLauncher(Launcher):
-    """Fresh worker processes on this machine (``protect``: every message signed)."""
+    """Fresh worker processes on this machine, started with ``start_method`` (``"forkserver"`` or
+    ``"spawn"``; ``None``: ``NBDIST_START_METHOD``, else forkserver where the OS has it). The
+    method is checked here, before anything starts, and kept for every restart. ``protect``:
+    every message signed."""
 
-    def __init__(self, protect: bool = False):
+    def __init__(self, start_method: Optional[str] = None, protect: bool = False):
+        self.start_method = check_start_method(start_method)
         self.protect = protect
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
@@ -143,7 +148,8 @@ class LocalLauncher(Launcher):
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
-                              float(opts["init_timeout"] or opts["timeout"]), self.protect)
+                              float(opts["init_timeout"] or opts["timeout"]), self.protect,
+                              self.start_method)
         return ranks, None
 
 
@@ -191,14 +197,15 @@ def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dic
 
 def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout: float,
                   threads: Optional[int], env: Dict[str, str], store_path: str,
-                  relay: OutputRelay, init_timeout: float, protect: bool = False) -> List[Rank]:
+                  relay: OutputRelay, init_timeout: float, protect: bool = False,
+                  start_method: Optional[str] = None) -> List[Rank]:
     """Start ``world_size`` workers and return them once all are ready (or raise, leaving none)."""
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
     from .worker import main as worker_main  # imported here: `python -m nbdist.worker` stays clean
 
-    ctx = mp_context()
+    ctx = mp_context(start_method)
     custom = custom_backend_blobs(choice)
     ranks: Dict[int, Rank] = {}
     try:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import queue
 import selectors
+import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
@@ -17,6 +18,38 @@ from typing import Any, Dict, Iterable, List, Optional
 from ..errors import ExitStatus
 from ..wire import transport
 from ..wire.relay import OutputRelay
+
+
+#: Whether a process sentinel can wait in a selector next to sockets. Not on Windows, where
+#: ``select()`` takes sockets only and a sentinel is a process handle: there, exits are polled
+#: every :data:`POLL_S` seconds instead (tests switch this off to run that path on Linux).
+SENTINELS_SELECTABLE = sys.platform != "win32"
+POLL_S = 0.1
+
+
+def watch_exits(sel: selectors.BaseSelector, ranks: Iterable["Rank"]) -> Dict[int, Any]:
+    """Register each rank's sentinel in ``sel`` as ``("dead", rank)``; return the processes that
+    must be polled instead (where sentinels are not selectable), by rank."""
+    polled = {}
+    for r in ranks:
+        if r.process.sentinel is None:
+            continue
+        if SENTINELS_SELECTABLE:
+            sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+        else:
+            polled[r.rank] = r.process
+    return polled
+
+
+def select_exits(sel: selectors.BaseSelector, polled: Dict[int, Any],
+                 timeout: Optional[float]) -> List[Any]:
+    """``sel.select(timeout)`` as ``(data, fileobj)`` pairs, plus ``(("dead", r), None)`` for each
+    polled process that has exited (the wait is then at most :data:`POLL_S`)."""
+    if polled:
+        timeout = POLL_S if timeout is None else min(timeout, POLL_S)
+    events = [(key.data, key.fileobj) for key, _ in sel.select(timeout)]
+    return events + [(("dead", r), None) for r, p in list(polled.items())
+                     if p.exit_status is not None]
 
 
 class LocalProcess:
@@ -165,19 +198,19 @@ class RankSet:
         self._sel = selectors.DefaultSelector()
         for r in ranks:
             self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
-            if r.process.sentinel is not None:
-                self._sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+        self._polled = watch_exits(self._sel, ranks)
 
     def __getitem__(self, r: int) -> Rank:
         return self.ranks[r]
 
     def select(self, timeout: Optional[float]):
         """``[(what, rank)]`` that are ready: ``("ctl", r)`` a message, ``("dead", r)`` an exit."""
-        return [key.data for key, _ in self._sel.select(timeout)]
+        return [data for data, _ in select_exits(self._sel, self._polled, timeout)]
 
     def forget(self, r: int) -> None:
         """Stop watching rank ``r`` (it died, or its channel is torn): no busy loop on its fds."""
         rank = self.ranks[r]
+        self._polled.pop(r, None)
         for obj in (rank.channel.sock, rank.process.sentinel):
             if obj is not None:
                 try:

@@ -20,7 +20,7 @@ from ..errors import (DistTimeoutError, ExitStatus, NbdistError, RankDiedError, 
                       RemoteFailure, ranks_phrase)
 from ..wire import transport
 from ..wire.relay import OutputRelay
-from .ranks import Rank
+from .ranks import Rank, select_exits, watch_exits
 
 
 class Admission:
@@ -60,9 +60,7 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
     """
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("listen", -1))
-    for r in ranks.values():
-        if r.process.sentinel is not None:
-            sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
+    polled = watch_exits(sel, ranks.values())  # sentinels, or polled exits on Windows
     deadline = time.monotonic() + timeout
     failures: Dict[int, RemoteFailure] = {}
     dead: Dict[int, tuple] = {}
@@ -74,8 +72,9 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
                 missing = [r for r in range(world_size)
                            if r not in ranks or ranks[r].state != "idle"]
                 raise DistTimeoutError(admission.timed_out(missing, ranks, timeout), missing)
-            for key_, _ in sel.select(remaining):
-                what, idx = key_.data
+            for (what, idx), fileobj in select_exits(sel, polled, remaining):
+                if what == "dead" and idx in dead:
+                    continue
                 if what == "listen":
                     _accept(listener, key, world_size, ranks, relay, sel, admission)
                 elif what == "ctl":
@@ -83,7 +82,8 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
                 else:
                     ranks[idx].process.join(1.0)
                     dead[idx] = (ranks[idx].exit_status, "")
-                    sel.unregister(key_.fileobj)
+                    if fileobj is not None:
+                        sel.unregister(fileobj)
     finally:
         sel.close()
     if failures or dead:

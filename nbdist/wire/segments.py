@@ -12,6 +12,8 @@ import shutil
 import tempfile
 from typing import List
 
+import psutil
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 SHM_MIN_BYTES = 1 << 16
 
@@ -44,18 +46,15 @@ def write_all(fd: int, view: memoryview) -> None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive
-    return True
+    """Whether ``pid`` exists (another user's process counts). Not ``os.kill(pid, 0)``: on Windows
+    that terminates the process."""
+    return psutil.pid_exists(pid)
 
 
 def _ours(path: str) -> bool:
+    getuid = getattr(os, "getuid", None)
     try:
-        return os.stat(path).st_uid == os.getuid()
+        return getuid is None or os.stat(path).st_uid == getuid()  # Windows: a per-user temp dir
     except OSError:
         return False
 

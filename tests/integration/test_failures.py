@@ -11,6 +11,12 @@ import nbdist
 
 pytestmark = pytest.mark.timeout(120)
 
+# Tests that take a start method run under forkserver and spawn (the Windows path, issue 20): the
+# ones whose code path differs (sentinels, exit codes, interrupts through the lifeline, a rank
+# dying while starting). The others start a group per test and take the same path under both, so
+# they run under the default only, to keep CI time down.
+both_methods = pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+
 
 def _interrupt_main_after(seconds: float) -> threading.Timer:
     """A real SIGINT to this process, as Jupyter's interrupt button sends to the kernel."""
@@ -21,6 +27,7 @@ def _interrupt_main_after(seconds: float) -> threading.Timer:
     return timer
 
 
+@both_methods
 def test_remote_error_names_rank_shows_traceback_and_group_stays_usable(group):
     group.push(keep=42)
     with pytest.raises(nbdist.RemoteError) as info:
@@ -44,6 +51,7 @@ def test_several_failing_ranks_report_the_first_as_root_cause(group):
     assert "root cause: rank 1" in str(info.value)
 
 
+@both_methods
 def test_dead_rank_is_reported_fast_with_exit_code_and_stderr(group):
     t0 = time.monotonic()
     with pytest.raises(nbdist.RankDiedError) as info:
@@ -63,6 +71,7 @@ def test_dead_rank_is_reported_fast_with_exit_code_and_stderr(group):
     assert group.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
 
 
+@both_methods
 def test_rank_killed_while_idle_is_reported_on_next_call(group):
     os.kill(group.status().ranks[0].pid, 9)
     time.sleep(0.5)
@@ -111,6 +120,7 @@ def test_group_call_timeout_applies_to_every_call():
         assert g.run(lambda: 2) == [2, 2]
 
 
+@both_methods
 def test_interrupt_during_a_call_interrupts_the_ranks(group):
     timer = _interrupt_main_after(1.0)
     try:
@@ -123,6 +133,7 @@ def test_interrupt_during_a_call_interrupts_the_ranks(group):
     assert group.run(lambda: 3) == [3, 3]
 
 
+@both_methods
 def test_interrupt_kills_ranks_stuck_in_a_collective(group):
     timer = _interrupt_main_after(1.0)
     t0 = time.monotonic()
@@ -179,14 +190,16 @@ def test_rank_that_never_reaches_the_rendezvous_is_named():
         nbdist.backends.unregister_backend("slowpoke")
 
 
-def test_rank_dying_during_start_is_named():
+@both_methods
+def test_rank_dying_during_start_is_named(start_method):
     ns = {"__name__": "__main__"}
     exec("import os\ndef create(store, rank, size, timeout):\n"
          "    os.write(2, b'creator failed badly\\n'); os._exit(7)\n", ns)
     nbdist.register_backend("crasher", ns["create"], devices=["cpu"], replace=True)
     try:
         with pytest.raises(nbdist.RankDiedError) as info:
-            nbdist.start(2, backend="crasher", timeout=5)
+            nbdist.start(2, backend="crasher", timeout=5, init_timeout=60,
+                         start_method=start_method)
         assert "exited with code 7" in str(info.value) and "creator failed badly" in str(info.value)
         assert "while starting" in str(info.value)
     finally:

@@ -36,11 +36,18 @@ def _wait_gone(pids, seconds):
     return alive
 
 
+# Tests that take a start method run under forkserver and spawn (issue 20): parent-death detection
+# and the sockets a rank opens differ between them (spawned ranks are the caller's own children).
+# The rest are forkserver-only: they repeat many starts, so spawn would cost minutes for the same path.
+both_methods = pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+
+
+@both_methods
 @pytest.mark.parametrize("how", ["sigkill", "exit"])
-def test_workers_exit_when_the_caller_dies(how):
+def test_workers_exit_when_the_caller_dies(how, start_method):
     script = textwrap.dedent(f"""
         import os, sys, time, nbdist
-        g = nbdist.start(2)
+        g = nbdist.start(2, start_method={start_method!r})
         g.exec("import time") ; print(*[r.pid for r in g.status().ranks], flush=True)
         {'time.sleep(600)' if how == 'sigkill' else 'os._exit(0)'}
     """)
@@ -57,10 +64,11 @@ def test_workers_exit_when_the_caller_dies(how):
         proc.wait()
 
 
-def test_busy_workers_exit_when_the_caller_is_killed():
-    script = textwrap.dedent("""
+@both_methods
+def test_busy_workers_exit_when_the_caller_is_killed(start_method):
+    script = textwrap.dedent(f"""
         import threading, nbdist
-        g = nbdist.start(2)
+        g = nbdist.start(2, start_method={start_method!r})
         print(*[r.pid for r in g.status().ranks], flush=True)
         g.exec("import time; time.sleep(600)")
     """)
@@ -113,8 +121,9 @@ def _listening_ports(group):
     return out
 
 
-def test_every_listening_socket_is_on_loopback():
-    with nbdist.start(2) as g:
+@both_methods
+def test_every_listening_socket_is_on_loopback(start_method):
+    with nbdist.start(2, start_method=start_method) as g:
         ports = _listening_ports(g)
         assert ports, "expected gloo's listeners in the workers"
         assert all(ip in ("127.0.0.1", "::1") for _, ip, _ in ports), ports

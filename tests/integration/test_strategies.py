@@ -5,6 +5,7 @@ import cloudpickle
 import pytest
 import torch
 
+import nbdist
 from nbdist import strategies
 
 pytestmark = pytest.mark.timeout(120)
@@ -12,6 +13,14 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot 
 
 REPLICATED = ["ddp", "zero1", "fairscale_oss", "fairscale_sharded"]
 SHARDED = ["fsdp_grad_op", "fsdp", "fsdp2"]
+
+
+@pytest.fixture(scope="module", params=["forkserver", "spawn"])
+def shared_group(request):
+    """The module's group, once per start method (spawn is the Windows path, issue 20)."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=30,
+                      start_method=request.param) as g:
+        yield g
 
 
 def train(name, precision="fp32", steps=4):

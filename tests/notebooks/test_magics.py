@@ -30,6 +30,14 @@ HELP = {
 }
 
 
+@pytest.fixture(scope="module", params=["forkserver", "spawn"])
+def shared_group(request):
+    """The group behind ``dist_group``, once per start method (spawn: the Windows path, issue 20)."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=30,
+                      start_method=request.param) as g:
+        yield g
+
+
 def run(shell, cell):
     """Run ``cell`` as a notebook would; return (result, captured output)."""
     with capture_output() as captured:
@@ -339,6 +347,23 @@ def test_dead_rank_then_closed_group_then_restart(shell, magic_group):
     assert "nbdist: restarted 1 ranks (backend gloo, device cpu)" in captured.stdout
     assert texts(run(shell, "%dist world_size")[1]) == ["Out[rank 0]: 1"]
     run(shell, "%dist_restart -n 2")
+
+
+@pytest.mark.timeout(180)
+def test_dist_start_follows_the_start_method_environment_variable(shell, no_group, monkeypatch):
+    """The magics have no start-method flag: ``NBDIST_START_METHOD=spawn`` in the kernel's
+    environment makes ``%dist_start`` (and its restarts) spawn the ranks (issue 20)."""
+    monkeypatch.setenv("NBDIST_START_METHOD", "spawn")
+    shell.run_line_magic("dist_start", "-n 2")
+    group = magics.current_group()
+    try:
+        assert group.run(os.getppid) == [os.getpid()] * 2  # spawned by the kernel itself
+        _, captured = run(shell, "%dist_restart -n 1")
+        assert "restarted 1 ranks" in captured.stdout
+        assert group.run(os.getppid) == [os.getpid()]
+    finally:
+        group.stop()
+        magics.use_group(None)
 
 
 # ---- variables and status ---------------------------------------------------------------------
