@@ -28,6 +28,7 @@ import torch.distributed as dist
 
 from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
+from ..wire.relay import ABORT_EXIT_CODE
 from . import imports, ranklog
 from .worker_signals import SIGINT_MASK, SIGINT_SET, ignore_sigint, sigint_ignored, sigint_to_user
 
@@ -50,6 +51,8 @@ class _Worker:
     def connect_streams(self) -> None:
         address = tuple(self.cfg["address"])
         key = self.cfg["key"]
+        if self.cfg["group_id"] == "remote" and not hasattr(self, "launcher_stderr"):
+            self.launcher_stderr = os.dup(2)  # torchrun's/srun's log: the watchdog's last words
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             sock = transport.connect(address, key, {"rank": self.rank, "role": stream,
                                                     "pid": os.getpid()})
@@ -67,9 +70,13 @@ class _Worker:
 
     def _watchdog(self) -> None:
         # The controller's end of the stderr stream carries one-byte commands: "I" interrupts the
-        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process.
-        # EOF or an error means the controller is gone: exit at once, never outlive it.
+        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process,
+        # "X" exits it with ABORT_EXIT_CODE (the group failed: the launcher must see a failure, not
+        # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
+        # never outlive it. Keepalive notices a controller host that vanished without a word.
         main_id = threading.main_thread().ident
+        _keepalive(self.lifeline)
+        code, why = 70, "lost the controller (the notebook's kernel exited or its host is unreachable)"
         try:
             while True:
                 data = self.lifeline.recv(64)
@@ -77,11 +84,21 @@ class _Worker:
                     break
                 if b"K" in data:
                     os.kill(os.getpid(), signal.SIGKILL)
+                if b"X" in data:
+                    code, why = ABORT_EXIT_CODE, ("the controller ended this rank: its group failed "
+                                                  "(another rank died or was killed)")
+                    break
                 if b"I" in data:
                     signal.pthread_kill(main_id, signal.SIGINT)
         except OSError:
             pass
-        os._exit(70)
+        if getattr(self, "launcher_stderr", None) is not None:
+            try:
+                os.write(self.launcher_stderr, f"nbdist.worker rank {self.rank}: {why}; exiting "
+                                               f"with code {code}.\n".encode())
+            except OSError:
+                pass
+        os._exit(code)
 
     def init_dist(self) -> Dict[str, Any]:
         cfg = self.cfg
@@ -244,6 +261,19 @@ def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
         blob = None
     return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
             "traceback": formatted, "time": time.time(), "exception": blob}
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on the lifeline: a silent controller host is declared gone after 4 s idle +
+    3 unanswered probes 2 s apart (~10 s); unacknowledged data gives up after 20 s (Linux)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", 20000)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass  # not a TCP socket (or an old kernel): EOF still ends the worker
 
 
 def _flush_output() -> None:

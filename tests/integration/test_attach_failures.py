@@ -1,0 +1,178 @@
+"""No job outlives a failure or a stop (issue 20): when a rank of an attached group dies, is killed
+after an interrupt, or the controller (the notebook's kernel) dies or its host vanishes, every
+remote worker exits -- even one blocked inside a collective -- and each torchrun agent exits with a
+failure instead of holding its node.
+
+The issue asks for "within 10 s". The bounds asserted here are 20 s (30 s for the keepalive path),
+a correctness bound with room for this loaded 2-core machine, not a speed target; the measured
+figures are in docs/benchmarks.md.
+"""
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+import nbdist
+from nbdist.wire.relay import ABORT_EXIT_CODE
+
+from attach_helpers import Cluster, controller, free_port, kill_tree, torchrun, wait_all
+from test_attach import netns  # noqa: F401 -- the fixture: a network namespace "node"
+
+pytestmark = pytest.mark.timeout(240)
+
+BOUND = 20.0  # s: the issue's 10 s, doubled for a loaded machine (see the module docstring)
+
+
+@pytest.fixture
+def four(tmp_path):
+    c = Cluster(tmp_path, nnodes=2, nproc=2)
+    yield c
+    c.close(wait=5)
+
+
+@pytest.fixture
+def two(tmp_path):
+    c = Cluster(tmp_path, nnodes=2, nproc=1)
+    yield c
+    c.close(wait=5)
+
+
+def _agent_logs(cluster):
+    return [p.stderr.read() for p in cluster.nodes]
+
+
+def test_a_rank_death_ends_the_others_and_both_agents_fail(four):
+    g = four.group
+    with pytest.raises(nbdist.RankDiedError) as info:
+        g.exec("import os\nif rank == 3:\n    os._exit(3)\nt = torch.ones(10); dist.all_reduce(t)")
+    raised = time.monotonic()
+    text = str(info.value)
+    assert 3 in info.value.ranks
+    assert f"told to exit (code {ABORT_EXIT_CODE}) so that torchrun/srun ends the job" in text
+    assert "nbdist cannot restart ranks it did not start" in text
+    assert "call restart()" not in text
+    # the other node's ranks were blocked in the all_reduce with the dead rank: told to exit,
+    # its agent fails too (before any stop(): the group ended them itself)
+    assert wait_all(four.nodes, BOUND) is not None, f"agents alive {BOUND} s after the death"
+    assert time.monotonic() - raised < BOUND
+    assert all(p.returncode != 0 for p in four.nodes)
+    logs = _agent_logs(four)
+    assert "the controller ended this rank: its group failed" in logs[0]
+    g.stop()
+    assert g.state == "stopped"
+
+
+def test_a_rank_dying_between_calls_ends_the_others(two):
+    g = two.group
+    g.exec("import os, threading\nif rank == 1:\n    threading.Timer(0.3, os._exit, (3,)).start()")
+    assert wait_all(two.nodes, BOUND) is not None, "agents alive after a rank died while idle"
+    assert [p.returncode != 0 for p in two.nodes] == [True, True]
+    with pytest.raises(nbdist.RankDiedError) as info:
+        g.run(lambda: 1)
+    assert info.value.ranks == [1]
+    assert f"Rank 0 was told to exit (code {ABORT_EXIT_CODE})" in str(info.value)
+
+
+def test_an_interrupt_past_the_grace_period_ends_every_remote_rank(two):
+    timer = threading.Timer(1.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    with pytest.raises(nbdist.GroupInterrupted) as info:
+        # rank 0 waits in a collective rank 1 never joins: SIGINT cannot reach it, it is killed
+        two.group.exec("import time\nt = torch.ones(1)\nif rank == 0:\n    dist.all_reduce(t)\n"
+                       "else:\n    time.sleep(60)")
+    timer.join()
+    text = str(info.value)
+    assert info.value.killed == [0] and "did not react within" in text
+    assert f"rank 1 was told to exit (code {ABORT_EXIT_CODE})" in text
+    assert "call restart()" not in text
+    assert wait_all(two.nodes, BOUND) is not None, "agents alive after the interrupt"
+    assert all(p.returncode != 0 for p in two.nodes)
+
+
+def test_a_clean_stop_still_ends_the_agents_with_success(two):
+    assert two.group.run(lambda: 1) == [1, 1]
+    assert two.close() == [0, 0]
+
+
+@pytest.mark.parametrize("code", ["import time; time.sleep(600)",
+                                  "import time\nt = torch.ones(1)\nif rank == 0:\n"
+                                  "    dist.all_reduce(t)\nelse:\n    time.sleep(600)"],
+                         ids=["idle-in-a-call", "blocked-in-a-collective"])
+def test_a_dead_kernel_ends_every_remote_worker_and_agent(tmp_path, code):
+    ctl, port, key_file = controller(tmp_path, 2, code)
+    rdzv = free_port()
+    nodes = [torchrun(n, rdzv, port, key_file, nproc=1, nnodes=2) for n in range(2)]
+    try:
+        assert ctl.stdout.readline().strip() == "attached", ctl.stderr.read()
+        time.sleep(1.0)  # the call is on the ranks now
+        ctl.kill()  # as the OOM killer would: no stop(), no FIN sent by nbdist
+        ctl.wait()
+        assert wait_all(nodes, BOUND) is not None, "workers outlived the kernel"
+        assert all(p.returncode != 0 for p in nodes)
+        assert "lost the controller" in nodes[0].stderr.read()
+    finally:
+        for p in nodes + [ctl]:
+            kill_tree(p)
+            for f in (p.stdout, p.stderr):
+                if f is not None:
+                    f.close()
+
+
+def test_the_lifeline_keeps_alive_and_a_vanished_controller_host_ends_the_rank(netns, tmp_path):
+    """A controller host that vanishes sends no FIN: TCP keepalive on the lifeline ends the rank
+    (4 s idle + 3 probes 2 s apart). The veth link to the rank's namespace is cut to play it."""
+    ns, host_ip, _ = netns
+    port = free_port()
+    key_file = str(tmp_path / "key.hex")
+    box = {}
+    t = threading.Thread(target=lambda: box.setdefault("g", nbdist.attach(
+        1, listen=f"{host_ip}:{port}", key_file=key_file, join_timeout=90, progress=False)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while not os.path.exists(key_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", OMP_NUM_THREADS="1")
+    worker = subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, "-m", "nbdist.worker",
+                               "--connect", f"{host_ip}:{port}", "--key-file", key_file], env=env,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    host_if = None
+    try:
+        t.join(120)
+        g = box["g"]
+
+        def lifeline_options():
+            s = socket.socket(fileno=os.dup(2))
+            try:
+                return (s.getsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE),
+                        s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE),
+                        s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL),
+                        s.getsockopt(socket.IPPROTO_TCP, socket.TCP_KEEPCNT))
+            finally:
+                s.close()
+
+        assert g.run(lifeline_options) == [(1, 4, 2, 3)]
+        host_if = _veth_of(host_ip)
+        subprocess.run(["ip", "link", "set", host_if, "down"], check=True, timeout=30)
+        worker.wait(30)  # keepalive gives up after ~10 s; 30 s: a bound, not a target
+        assert worker.returncode == 70
+        assert "lost the controller" in worker.stderr.read()
+    finally:
+        if host_if is not None:
+            subprocess.run(["ip", "link", "set", host_if, "up"], timeout=30)
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
+        worker.stderr.close()
+        if "g" in box:
+            box["g"].stop()
+
+
+def _veth_of(ip):
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
+                         timeout=30).stdout
+    return next(line.split()[1] for line in out.splitlines() if f" {ip}/" in line)
