@@ -54,6 +54,13 @@ class Launcher:
     def cleanup(self) -> None:
         """Remove what :meth:`launch` left on this machine (nothing by default)."""
 
+    def can_relaunch(self, auto_restart: bool) -> bool:
+        """Whether a broken group starts again on its next call (``auto_restart`` by default)."""
+        return auto_restart and not self.restart_refusal
+
+    def close(self) -> None:
+        """The group stopped for good (after :meth:`cleanup`): release what outlives one launch."""
+
 
 class Incarnation:
     """What one start of a group made, released together: its temp dir, output relay, rendezvous

@@ -116,6 +116,10 @@ class RemoteProcess:
         if lifeline is not None:
             lifeline.kill()
 
+    def use_relay(self, relay: OutputRelay) -> None:
+        """The rank's streams moved to ``relay`` (a generation admitted in the background)."""
+        self._relay = relay
+
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until the rank's streams are closed."""
         self._relay.wait_closed(self.rank, 3600.0 if timeout is None else timeout)
@@ -140,6 +144,7 @@ class Rank:
     busy_with: str = ""
     since: Optional[float] = None
     last_error: str = ""
+    generation: int = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
 
     @property
     def pid(self) -> Optional[int]:
@@ -178,7 +183,7 @@ class RankSet:
         self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
                                                             for r in ranks}
         self.aborted: List[int] = []  #: remote ranks told to exit because the group failed
-        self._abort_lock = threading.Lock()
+        self._abort_lock = threading.RLock()  # the relay's hook may re-enter abort_remote
         self._in_hook = False
         self.remote = any(isinstance(r.process, RemoteProcess) for r in ranks)
         if self.remote:
@@ -250,12 +255,15 @@ class RankSet:
         finally:
             self._in_hook = False
 
-    def abort_remote(self) -> List[int]:
-        """Tell every remote rank still connected to exit with :data:`ABORT_EXIT_CODE` (any
-        thread; idempotent); return all the ranks told so far, sorted."""
+    def abort_remote(self, dead: Iterable[int] = ()) -> List[int]:
+        """Tell every remote rank still connected -- except the ``dead`` ones, known lost -- to
+        exit with :data:`ABORT_EXIT_CODE` (any thread; idempotent); return all the ranks told so
+        far, sorted."""
+        self.relay.drain()  # a rank whose end of stream already arrived is dead, not aborted
+        dead = set(dead)
         with self._abort_lock:
             for r in self.ranks:
-                if r.exit_status is None and r.process.abort():
+                if r.rank not in dead and r.exit_status is None and r.process.abort():
                     self.aborted.append(r.rank)
             return sorted(self.aborted)
 

@@ -76,7 +76,8 @@ class _Worker:
         # never outlive it. Keepalive notices a controller host that vanished without a word.
         main_id = threading.main_thread().ident
         _keepalive(self.lifeline)
-        code, why = 70, "lost the controller (the notebook's kernel exited or its host is unreachable)"
+        code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
+                         "unreachable)")
         try:
             while True:
                 data = self.lifeline.recv(64)
@@ -85,8 +86,8 @@ class _Worker:
                 if b"K" in data:
                     os.kill(os.getpid(), signal.SIGKILL)
                 if b"X" in data:
-                    code, why = ABORT_EXIT_CODE, ("the controller ended this rank: its group failed "
-                                                  "(another rank died or was killed)")
+                    code, why = ABORT_EXIT_CODE, ("the controller ended this rank: its group "
+                                                  "failed (another rank died or was killed)")
                     break
                 if b"I" in data:
                     signal.pthread_kill(main_id, signal.SIGINT)
@@ -137,7 +138,9 @@ class _Worker:
                         else torch.device("cpu")})
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
                 "node": os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
-                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads()}
+                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads(),
+                "restarts": (int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0))}
 
     def _guard_init(self) -> None:
         original = dist.init_process_group

@@ -7,10 +7,10 @@ One background thread reads all of them; :meth:`OutputRelay.drain` lets the call
 already arrived before it returns a call's results, so a cell's output always precedes its value.
 
 The stderr socket is also the rank's :class:`Lifeline`: the caller writes one-byte commands down it
-(interrupt, kill, abort: the worker's watchdog thread acts on them, even while the rank is blocked in
-a collective), and its end of stream says the process is gone. The relay only reads; the lifeline only
-writes and tells liveness. :attr:`OutputRelay.on_close` hears, on the relay thread, of every lifeline
-that closed: an attached group uses it to end the other ranks when one is lost.
+(interrupt, kill, abort: the worker's watchdog thread acts on them, even while the rank is blocked
+in a collective), and its end of stream says the process is gone. The relay only reads; the lifeline
+only writes and tells liveness. :attr:`OutputRelay.on_close` hears, on the relay thread, of every
+lifeline that closed: an attached group uses it to end the other ranks when one is lost.
 """
 from __future__ import annotations
 
@@ -59,7 +59,14 @@ class Lifeline:
 
     def abort(self) -> bool:
         """Make the rank exit at once with :data:`ABORT_EXIT_CODE` (its group failed): unlike a
-        kill, the launcher sees a plain failure exit, and the worker says why in the launcher's log."""
+        kill, the launcher sees a plain failure exit, and the worker says why in its log."""
+        try:  # its end of stream already here (the relay has not read it yet): it is gone
+            if self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                return False
+        except (BlockingIOError, InterruptedError):
+            pass  # connected, nothing pending
+        except OSError:
+            return False
         return self._send(b"X")
 
     def _send(self, command: bytes) -> bool:
@@ -243,6 +250,23 @@ class OutputRelay:
                 self.sink(rank, stream, text)
         except Exception as err:  # noqa: BLE001 -- a broken sink must not kill the relay
             sys.__stderr__.write(f"nbdist: output sink failed ({err!r}); rank {rank}: {text}\n")
+
+    def move_to(self, other: "OutputRelay") -> None:
+        """Hand every open stream (with its partial line and stderr tail) to ``other``, then
+        close this relay: ranks admitted in the background join the group's relay this way."""
+        with self._lock:
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    self._read(key.fileobj, key.data)  # what arrived so far goes out here
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    self._sel.unregister(key.fileobj)
+                    rank, stream = key.data
+                    other._partial[key.data] = self._partial.pop(key.data, b"")
+                    other._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).extend(
+                        self._tails.get(rank, ()))
+                    other.add(rank, stream, key.fileobj)
+        self.close()
 
     def close(self) -> None:
         """Stop the relay thread and close every stream still open."""

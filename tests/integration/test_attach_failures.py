@@ -176,3 +176,84 @@ def _veth_of(ip):
     out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True,
                          timeout=30).stdout
     return next(line.split()[1] for line in out.splitlines() if f" {ip}/" in line)
+
+
+@pytest.fixture
+def restartable(tmp_path):
+    c = Cluster(tmp_path, nnodes=2, nproc=1, max_restarts=1)
+    yield c
+    c.close(wait=5)
+
+
+def test_a_torchrun_restart_is_a_new_generation_of_the_same_group(restartable):
+    g = restartable.group
+    g.push(x=5)
+    with pytest.raises(nbdist.GroupClosedError, match="started by your launcher"):
+        g.restart()  # a healthy group: torchrun would not restart anything
+    with pytest.raises(nbdist.RankDiedError) as info:
+        g.exec("import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(1); dist.all_reduce(t)")
+    text = str(info.value)
+    assert "Rank 0 was told to exit (code 75) so that torchrun restarts them all" in text
+    assert "torchrun restarts the ranks (restart 1 of 1): they join this group again as " \
+           "generation 2" in text and "variables on the ranks are gone" in text
+    # no attach(): the next call waits for the restarted ranks and runs on them
+    assert g.exec("t = torch.ones(2) * (rank + 1); dist.all_reduce(t); t.tolist()") == \
+        [[3.0, 3.0]] * 2
+    assert "generation 2, 2 ranks" in repr(g) and "generation 2, 2 ranks" in str(g.status())
+    assert g.run(lambda: os.environ["TORCHELASTIC_RESTART_COUNT"]) == ["1", "1"]
+    with pytest.raises(nbdist.RemoteError, match="name 'x' not defined"):
+        g.pull("x")
+    assert restartable.close() == [0, 0]  # a clean stop of generation 2 ends the job cleanly
+
+
+def test_a_failure_after_the_last_restart_ends_the_job(restartable):
+    g = restartable.group
+    with pytest.raises(nbdist.RankDiedError):
+        g.exec("import os\nif rank == 0:\n    os._exit(3)\nt = torch.ones(1); dist.all_reduce(t)")
+    assert g.run(lambda: 1) == [1, 1]  # generation 2
+    with pytest.raises(nbdist.RankDiedError) as info:
+        g.exec("import os\nif rank == 0:\n    os._exit(3)\nt = torch.ones(1); dist.all_reduce(t)")
+    assert "nbdist cannot restart ranks it did not start" in str(info.value)
+    assert wait_all(restartable.nodes, BOUND) is not None, "agents alive after the last restart"
+    assert all(p.returncode != 0 for p in restartable.nodes)
+    with pytest.raises(nbdist.GroupClosedError):
+        g.run(lambda: 1)
+
+
+def test_a_restart_that_never_comes_is_reported_after_join_timeout(tmp_path):
+    c = Cluster(tmp_path, nnodes=2, nproc=1, max_restarts=1, join_timeout=40)
+    try:
+        workers = [r.pid for r in c.group.status().ranks]
+        for p in c.nodes:  # the whole job goes (agents, then workers): nothing will restart
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in workers:  # torchrun's workers have sessions of their own
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(nbdist.RankDiedError):
+            c.group.run(lambda: 1)
+        with pytest.raises(nbdist.NbdistError, match="no new generation of ranks joined within "
+                                                     "40 s .did torchrun restart them"):
+            c.group.run(lambda: 1)
+    finally:
+        c.close(wait=5)
+
+
+def test_a_next_generation_that_fails_to_join_is_reported_and_the_group_goes_on(tmp_path, capfd):
+    from nbdist.wire import transport
+
+    c = Cluster(tmp_path, nnodes=1, nproc=1)
+    try:
+        key = bytes.fromhex(open(c.key_file).read())
+        hello = {"rank": 0, "role": "control", "pid": 1, "world_size": 1}
+        impostor = transport.Channel(transport.connect(("127.0.0.1", c.port), key, hello))
+        assert impostor.recv()[0] == "config"  # admitted as generation 2's rank 0 ...
+        impostor.close()  # ... which then dies before it is ready
+        deadline = time.monotonic() + 30
+        err = ""
+        while "tried to join and failed" not in err and time.monotonic() < deadline:
+            time.sleep(0.2)
+            err += capfd.readouterr().err
+        assert "nbdist: a new generation of ranks tried to join and failed: rank 0" in err
+        assert c.group.run(lambda: 1) == [1]  # generation 1 goes on
+    finally:
+        assert c.close() == [0]
