@@ -29,6 +29,7 @@ from .generations import Regenerator
 from .ranks import Rank, RemoteProcess
 from .ready import Admission, accept_until_ready
 
+TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
 RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher (torchrun/srun); "
                    "nbdist cannot restart them. Call stop(), then nbdist.attach() again and re-run "
                    "the launcher command.")
@@ -38,6 +39,8 @@ class AttachLauncher(Launcher):
     """Ranks started elsewhere by torchrun/srun join a group this process listens for."""
 
     attached = True
+    broken_advice = ("nbdist cannot restart ranks that torchrun/srun started: call stop(), then "
+                     "nbdist.attach() again and re-run the launcher command.")
 
     def __init__(self, address: Tuple[str, int], key_file: Optional[str] = None,
                  join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
@@ -148,10 +151,11 @@ class AttachLauncher(Launcher):
 
     def close(self) -> None:
         """The group stopped: stop listening, remove the key file if nbdist made it."""
-        regen, self.regen = self.regen, None
+        regen = self.regen
         if regen is not None:
-            regen.close()
-            regen.listener.close()
+            # torchrun may restart the failed ranks after this: turn them away for a while
+            regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
+            self.regen = None
         if self.own_key_file and self.key_file:
             try:
                 os.unlink(self.key_file)

@@ -14,8 +14,10 @@ ranks' streams into the group's relay. Variables on the ranks are gone: these ar
 from __future__ import annotations
 
 import selectors
+import socket
 import sys
 import threading
+import time
 from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -45,7 +47,7 @@ class Regenerator:
         self._arriving = False
         self._cond = threading.Condition()
         self._closed = False
-        self._wake_r, self._wake_w = __import__("socket").socketpair()
+        self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._loop, name="nbdist-regenerate", daemon=True)
         self._thread.start()
 
@@ -120,8 +122,10 @@ class Regenerator:
             self._ready = (ready, store, relay)
             self._cond.notify_all()
 
-    def close(self) -> None:
-        """Stop admitting; end a generation that joined but was never taken."""
+    def close(self, turn_away: float = 0.0) -> None:
+        """Stop admitting; end a generation that joined but was never taken; close the listener
+        -- after ``turn_away`` seconds during which ranks that still connect (torchrun restarting
+        them after the group stopped) are closed on at once, so they exit instead of retrying."""
         with self._cond:
             self._closed = True
             gen, self._ready = self._ready, None
@@ -136,3 +140,31 @@ class Regenerator:
             relay.close()
         self._wake_r.close()
         self._wake_w.close()
+        if turn_away > 0:
+            threading.Thread(target=self._turn_away, args=(time.monotonic() + turn_away,),
+                             name="nbdist-turn-away", daemon=True).start()
+        else:
+            self.listener.close()
+
+    def _turn_away(self, deadline: float) -> None:
+        # A worker whose lifeline closes right after its handshake exits (code 70): torchrun then
+        # counts a failure and, with its restarts used up, ends the job.
+        from ..wire import transport
+
+        try:
+            self.listener.settimeout(0.5)
+            while time.monotonic() < deadline:
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                try:
+                    transport.server_handshake(conn, self.key, timeout=5.0)
+                except (transport.AuthenticationError, OSError, ValueError):
+                    pass
+                finally:
+                    conn.close()
+        except OSError:
+            pass
+        finally:
+            self.listener.close()

@@ -303,7 +303,7 @@ class Group:
                 self._launch()
                 return
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
-                                   "above); call restart() to start fresh workers.")
+                                   f"above); {self._launcher.broken_advice}")
 
     def _begin(self, req: requests.Request, ranks, timeout) -> Call:
         """Under the lock: check, make the call, mark busy (nothing sent yet)."""

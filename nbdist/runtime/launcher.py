@@ -41,6 +41,8 @@ class Launcher:
     attached = False
     #: why :meth:`nbdist.Group.restart` cannot work for this kind of group (``None``: it can)
     restart_refusal: Optional[str] = None
+    #: what to do with a broken group of this kind
+    broken_advice = "call restart() to start fresh workers."
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
         """Resolve the backend and device of ``opts`` for these ranks; raise on what cannot work."""

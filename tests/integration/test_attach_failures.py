@@ -216,7 +216,8 @@ def test_a_failure_after_the_last_restart_ends_the_job(restartable):
     assert "nbdist cannot restart ranks it did not start" in str(info.value)
     assert wait_all(restartable.nodes, BOUND) is not None, "agents alive after the last restart"
     assert all(p.returncode != 0 for p in restartable.nodes)
-    with pytest.raises(nbdist.GroupClosedError):
+    with pytest.raises(nbdist.GroupClosedError, match="broken after an earlier failure .see the "
+                       "error above.; nbdist cannot restart ranks that torchrun/srun started"):
         g.run(lambda: 1)
 
 
@@ -257,3 +258,12 @@ def test_a_next_generation_that_fails_to_join_is_reported_and_the_group_goes_on(
         assert c.group.run(lambda: 1) == [1]  # generation 1 goes on
     finally:
         assert c.close() == [0]
+
+
+def test_a_stop_right_after_a_failure_ends_the_job_torchrun_restarts(restartable):
+    g = restartable.group
+    with pytest.raises(nbdist.RankDiedError, match="generation 2"):
+        g.exec("import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(1); dist.all_reduce(t)")
+    g.stop()  # the restarted ranks find the group gone: they exit, torchrun's restarts run out
+    assert wait_all(restartable.nodes, BOUND) is not None, "agents alive after the stop"
+    assert all(p.returncode != 0 for p in restartable.nodes)
