@@ -10,7 +10,9 @@ in tests/integration/attach_helpers.py. Per repetition, one fresh cluster per sc
   moment ``RankDiedError`` reaches the caller until both agents exited (nbdist tells the other
   ranks to exit by itself; no ``stop()`` involved);
 * kernel killed -> agents gone: the controller runs in its own process with the ranks inside a call
-  (rank 0 in an all_reduce, the others sleeping); SIGKILL it, time until both agents exited.
+  (rank 0 in an all_reduce, the others sleeping); SIGKILL it, time until both agents exited;
+* death -> generation 2 (``--max-restarts=1``): from ``RankDiedError`` reaching the caller until the
+  next call (an all_reduce on every rank) returned on the ranks torchrun restarted.
 """
 from __future__ import annotations
 
@@ -72,13 +74,32 @@ def kernel_case(tmp):
             kill_tree(p)
 
 
+def regen_case(tmp):
+    c = Cluster(tmp, nnodes=2, nproc=2, max_restarts=1)
+    try:
+        try:
+            c.group.exec("import os\nif rank == 3:\n    os._exit(3)\nt = torch.ones(10)\n"
+                         "dist.all_reduce(t)")
+        except nbdist.RankDiedError:
+            pass
+        t0 = time.monotonic()
+        c.group.exec("t = torch.ones(10); dist.all_reduce(t)")
+        took = time.monotonic() - t0
+        assert "generation 2" in repr(c.group)
+        return took, c.close(wait=30)
+    finally:
+        c.close(wait=5)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     results = {}
-    for name, case in (("stop", stop_case), ("death", death_case), ("kernel killed", kernel_case)):
+    for name, case in (("stop -> agents gone", stop_case), ("death -> agents gone", death_case),
+                       ("kernel killed -> agents gone", kernel_case),
+                       ("death -> generation 2 usable", regen_case)):
         samples = []
         for i in range(args.reps):
             took, codes = case(pathlib.Path(tempfile.mkdtemp(prefix="nbdist-bench-")))
@@ -89,7 +110,7 @@ def main():
         results[name] = {"samples": samples,
                          "median_s": statistics.median(secs) if secs else None,
                          "max_s": max(secs) if secs else None}
-        print(f"{name} -> every agent gone: median {results[name]['median_s']:.2f} s, "
+        print(f"{name}: median {results[name]['median_s']:.2f} s, "
               f"max {results[name]['max_s']:.2f} s ({len(secs)}/{args.reps} ended)", flush=True)
     if args.out:
         with open(args.out, "w") as f:
