@@ -8,6 +8,7 @@ Parts, one owner each:
 * Launchers -- where ranks come from: :class:`~nbdist.runtime.launcher.LocalLauncher` (fresh
   workers, :mod:`.forkserver`) and :class:`~nbdist.runtime.attach.AttachLauncher` (ranks started
   by torchrun/srun). Both hand back ready ranks through one accept/ready loop (:mod:`.ready`).
+  An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`.
 * :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, whatever started its process
   (local or remote: same ``exit_status`` / ``kill`` / ``join``), and the ``RankSet`` a call talks to.
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,
@@ -18,7 +19,8 @@ Parts, one owner each:
 * :mod:`.output` -- where the ranks' lines go: kept on the call (``last_output``, ``job.output``),
   then shown with repeats folded (quiet ranks), as written, or to the user's ``output=`` sink.
 * Beside the runtime, in :mod:`nbdist.wire`: the output relay (reads every rank's stdout/stderr)
-  and each rank's lifeline (interrupt / kill commands down its stderr socket, liveness up).
+  and each rank's lifeline (interrupt / kill / abort commands down its stderr socket, liveness
+  up; an attached group aborts every other remote rank when one is lost).
 
 Threading model
     *Caller thread* (the kernel's, or any thread that calls): runs a whole call while holding the
@@ -31,6 +33,8 @@ Threading model
     drains it under that lock before returning results. It also ticks the output router, which
     releases folded lines held back for their 0.2 s window; the call's thread shows what is still
     held, and the summary of repeats, when the call ends (a job's thread, when the job ends).
+    *Regenerate thread* (attached groups, ``nbdist-regenerate``): admits ranks torchrun restarted
+    into a relay of its own; the caller thread takes them on the next call.
     *Any thread or the GC*: a tensor on a pooled result segment dies and puts the segment on its
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may

@@ -6,6 +6,10 @@ run on the nodes, and waits -- with a progress bar and a deadline -- until every
 and initialised torch.distributed. The rendezvous is a ``TCPStore`` hosted by the caller (torch
 binds it to all interfaces: the documented trust model is "anyone who reaches the port can try;
 only key holders get in").
+
+Once the ranks joined, the listener stays open: when torchrun restarts the workers after a
+failure (``--max-restarts``), they join again as the next generation of the same group
+(:mod:`.generations`), which the group takes on its next call.
 """
 from __future__ import annotations
 
@@ -15,16 +19,18 @@ import sys
 import tempfile
 from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import BackendChoice, resolve_backend
 from ..errors import NbdistError, ranks_phrase
 from ..wire import transport
 from ..wire.relay import OutputRelay
 from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
+from .generations import Regenerator
 from .ranks import Rank, RemoteProcess
 from .ready import Admission, accept_until_ready
 
+TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
 RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher (torchrun/srun); "
                    "nbdist cannot restart them. Call stop(), then nbdist.attach() again and re-run "
                    "the launcher command.")
@@ -34,7 +40,8 @@ class AttachLauncher(Launcher):
     """Ranks started elsewhere by torchrun/srun join a group this process listens for."""
 
     attached = True
-    restart_refusal = RESTART_REFUSAL
+    broken_advice = ("nbdist cannot restart ranks that torchrun/srun started: call stop(), then "
+                     "nbdist.attach() again and re-run the launcher command.")
 
     def __init__(self, address: Tuple[str, int], key_file: Optional[str] = None,
                  join_timeout: float = 600.0, nproc_per_node: Optional[int] = None,
@@ -44,6 +51,28 @@ class AttachLauncher(Launcher):
         self.protect = not is_loopback(address[0]) if protect is None else bool(protect)
         self.join_timeout, self.nproc_per_node, self.progress = join_timeout, nproc_per_node, progress
         self.commands: Dict[str, str] = {}
+        self.regen: Optional[Regenerator] = None
+        self.restarts = (0, 0)  #: (torchrun's restart count, its --max-restarts) seen on the ranks
+        self._current: List[Rank] = []  #: the generation the group runs
+
+    @property
+    def restart_refusal(self) -> Optional[str]:
+        """Why restart() cannot work: ``None`` while a new generation of ranks is on its way."""
+        return None if self.can_relaunch(False) else RESTART_REFUSAL
+
+    def can_relaunch(self, auto_restart: bool) -> bool:
+        """A broken attached group comes back when torchrun restarts its ranks (they re-join)."""
+        regen = self.regen
+        if regen is None or not any(r.exit_status is not None and (r.exit_status.lost or
+                                                                    r.exit_status.code)
+                                    for r in self._current):
+            return False  # a healthy group: a restart would only stop it (torchrun would not)
+        return regen.pending or self.restarts[0] < self.restarts[1]
+
+    @property
+    def generation(self) -> int:
+        """1 for the ranks that joined at attach(), 2 after torchrun restarted them once, ..."""
+        return self.regen.generation if self.regen is not None else 1
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
         """Named backends are checked here; ``"auto"`` is resolved by the ranks on their hardware."""
@@ -56,6 +85,8 @@ class AttachLauncher(Launcher):
         """Listen, print the commands, wait for every rank; the TCPStore is returned to keep."""
         import torch.distributed as dist
 
+        if self.regen is not None:
+            return self._next_generation(relay)
         ws = opts["world_size"]
         listener = transport.listen(*self.address)
         key = transport.new_key()
@@ -90,16 +121,51 @@ class AttachLauncher(Launcher):
                 raise
             finally:
                 admission.close()
-            return ready, store
-        finally:
+        except BaseException:
             listener.close()
+            raise
+        self._seen(ready)
+        self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
+                                 lambda cfg, rel: _Remote(ws, cfg, rel, False))
+        return ready, store
+
+    def _next_generation(self, relay):
+        """The ranks torchrun restarted, re-joined in the background: move their streams into
+        the group's new relay and hand them over."""
+        regen = self.regen
+        n = regen.generation + 1
+        if self.progress and not regen.pending:
+            print(f"nbdist: waiting for torchrun to restart the ranks (generation {n})...")
+        ranks, store, old = regen.take(self.join_timeout)
+        old.move_to(relay)
+        for r in ranks:
+            r.process.use_relay(relay)
+        self._seen(ranks)
+        print(f"nbdist: torchrun restarted the ranks: generation {n}, {len(ranks)} ranks joined; "
+              "variables on the ranks are gone (they are new processes).", file=sys.stderr)
+        return ranks, store
+
+    def _seen(self, ranks) -> None:
+        self._current = list(ranks)
+        counts = [r.info.get("restarts") or (0, 0) for r in ranks]
+        self.restarts = (min(int(c[0]) for c in counts), min(int(c[1]) for c in counts))
 
     def resolved(self, choice, ranks):
         """What the ranks chose for ``"auto"`` (from their ready reports); they must agree."""
         return agreed_choice(choice, {r.rank: r.info or {} for r in ranks})
 
     def cleanup(self) -> None:
-        """Remove the key file if nbdist made it."""
+        """Nothing while a new generation may still join (see :meth:`close`)."""
+        if self.regen is None:
+            self.close()
+
+    def close(self) -> None:
+        """The group stopped: stop listening, remove the key file if nbdist made it."""
+        regen = self.regen
+        if regen is not None:
+            # torchrun may restart the failed ranks after this: turn them away for a while
+            regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
+            self.regen = None
         if self.own_key_file and self.key_file:
             try:
                 os.unlink(self.key_file)

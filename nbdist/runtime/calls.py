@@ -12,8 +12,10 @@ what came back (``pending``, ``replies``, ``dead``). :meth:`Call.wait` ends in e
 :func:`settle` turns the outcome into a :class:`Verdict`: the results, or the error to raise, and
 whether the group must be torn down. Ranks still busy after a timeout or an interrupt get SIGINT;
 those still blocked after ``grace`` seconds (inside a collective, typically) are killed. A rank that
-died is reported after the survivors had a moment to answer. The call never touches the group's
-state: the group applies the verdict. A background job is the same object, waited on later.
+died is reported after the survivors had a moment to answer. In an attached group (ranks started by
+torchrun/srun) a death or a kill also ends every other rank (:meth:`RankSet.abort_remote`), and the
+error says so. The call never touches the group's state: the group applies the verdict. A
+background job is the same object, waited on later.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
+from ..wire.relay import ABORT_EXIT_CODE
 from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
@@ -145,7 +148,8 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
         return Verdict(error=_deaths(call, rs), broken=True)
     waiting = sorted(call.pending)
     killed = _stop_pending(call, rs, grace)
-    after = _after_stop_text(killed, grace, auto_restart)
+    ended = (rs.abort_remote() if killed else []) if rs.remote else None
+    after = _after_stop_text(killed, grace, auto_restart, ended, rs)
     if call.outcome == TIMEOUT:
         error: BaseException = DistTimeoutError(
             f"{ranks_phrase(waiting)} still running after {call.timeout:g} s; {after}", waiting)
@@ -183,11 +187,14 @@ def _stop_pending(call: Call, rs: RankSet, grace: float) -> List[int]:
     return killed
 
 
-def _after_stop_text(killed: List[int], grace: float, auto_restart: bool) -> str:
+def _after_stop_text(killed: List[int], grace: float, auto_restart: bool,
+                     ended: Optional[List[int]], rs: RankSet) -> str:
     if not killed:
         return "stopped on SIGINT; the group is still usable."
     how = "it restarts on the next call (auto_restart)" if auto_restart else \
         "call restart() to bring it back"
+    if ended is not None:  # an attached group: the others were told to exit
+        how = _attached_advice([r for r in ended if r not in killed], rs)
     return (f"{ranks_phrase(killed)} did not react within {grace:g} s (blocked inside a "
             f"collective?) and {'were' if len(killed) > 1 else 'was'} killed; the group is "
             f"broken: {how}.")
@@ -199,14 +206,39 @@ def _deaths(call: Call, rs: RankSet) -> RankDiedError:
     deadline = time.monotonic() + 1.0
     while call.pending - call.dead and time.monotonic() < deadline:
         call.poll(rs, max(0.0, deadline - time.monotonic()))
+    # a rank whose control channel closed is dead, even if its stderr has not said so yet
+    ended = rs.abort_remote(call.dead) if rs.remote else []
+    dead = [r for r in sorted(call.dead) if r not in ended] or sorted(call.dead)
     deaths = {}
-    for r in sorted(call.dead):
+    for r in dead:
         rs[r].process.join(1.0)
         rs.relay.wait_closed(r, 1.0)
         deaths[r] = (rs[r].exit_status, rs.relay.tail(r))
         rs[r].state = "dead"
     tails = " ".join(t for _, t in deaths.values())
-    return RankDiedError(deaths, hint_for(tails) or "")
+    advice = ""
+    if rs.remote:
+        text = _attached_advice([r for r in ended if r not in deaths], rs)
+        advice = f"The group failed. {text[0].upper()}{text[1:]}."
+    return RankDiedError(deaths, hint_for(tails) or "", advice)
+
+
+def _attached_advice(ended: List[int], rs: RankSet) -> str:
+    """What happened to the other ranks of an attached group, and what to do now."""
+    counts = [tuple((r.info or {}).get("restarts") or (0, 0)) for r in rs.ranks]
+    done, limit = min(c[0] for c in counts), min(c[1] for c in counts)
+    if done < limit:  # torchrun restarts every worker: the group comes back by itself
+        told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
+                f"{ABORT_EXIT_CODE}) so that torchrun restarts them all; " if ended else "")
+        gen = max(r.generation for r in rs.ranks) + 1
+        return (f"{told}torchrun restarts the ranks (restart {done + 1} of {limit}): they join "
+                f"this group again as generation {gen}, which your next call waits for and uses; "
+                "variables on the ranks are gone (they are new processes)")
+    told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
+            f"{ABORT_EXIT_CODE}) so that torchrun/srun ends the job instead of holding the nodes; "
+            if ended else "")
+    return (f"{told}nbdist cannot restart ranks it did not start: call stop(), then "
+            "nbdist.attach() again and re-run the launcher command")
 
 
 def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:

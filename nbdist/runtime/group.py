@@ -7,8 +7,7 @@ and Ctrl-C / the notebook's interrupt button interrupts the ranks (SIGINT), kill
 blocked after a short grace period, and raises :class:`GroupInterrupted`. A Python error on a rank
 raises :class:`RemoteError` with the remote traceback and leaves the group usable.
 
-The group is the only writer of its own state (``ready`` / ``busy`` / ``broken`` / ``stopped``);
-see :mod:`nbdist.runtime` for which thread owns what.
+The group alone writes its state (ready, busy, broken, stopped); threads: :mod:`nbdist.runtime`.
 """
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ from .launcher import Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
 from .output import RankOutput
 from .ranks import Rank, RankSet
-from .status import GroupStatus, check_options, collect_status
+from .status import GroupStatus, check_options, collect_status, generation_note
 
 
 class Group:
@@ -186,6 +185,7 @@ class Group:
             if self._state != "stopped":
                 self._shutdown()
                 self._state = "stopped"
+            self._launcher.close()  # an attached group stops listening for restarted ranks
         finally:
             self._lock.release()
 
@@ -196,8 +196,8 @@ class Group:
         self.stop()
 
     def __repr__(self) -> str:
-        return (f"<nbdist.Group {self.id}: {self._state}, world_size={self.world_size}, "
-                f"backend={self.backend!r}, device={self.device!r}>")
+        return (f"<nbdist.Group {self.id}: {self._state}{generation_note(self._ranks)}, world_size="
+                f"{self.world_size}, backend={self.backend!r}, device={self.device!r}>")
 
     def _shutdown(self) -> None:
         """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
@@ -298,12 +298,12 @@ class Group:
             raise GroupClosedError("this group was stopped; start a new one with nbdist.start() "
                                    "or call restart() on it.")
         if self._state == "broken":
-            if self._opts["auto_restart"] and not self._launcher.restart_refusal:
+            if self._launcher.can_relaunch(self._opts["auto_restart"]):
                 self._shutdown()
                 self._launch()
                 return
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
-                                   "above); call restart() to start fresh workers.")
+                                   f"above); {self._launcher.broken_advice}")
 
     def _begin(self, req: requests.Request, ranks, timeout) -> Call:
         """Under the lock: check, make the call, mark busy (nothing sent yet)."""

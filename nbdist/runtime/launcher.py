@@ -43,6 +43,8 @@ class Launcher:
     attached = False
     #: why :meth:`nbdist.Group.restart` cannot work for this kind of group (``None``: it can)
     restart_refusal: Optional[str] = None
+    #: what to do with a broken group of this kind
+    broken_advice = "call restart() to start fresh workers."
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
         """Resolve the backend and device of ``opts`` for these ranks; raise on what cannot work."""
@@ -59,6 +61,13 @@ class Launcher:
 
     def cleanup(self) -> None:
         """Remove what :meth:`launch` left on this machine (nothing by default)."""
+
+    def can_relaunch(self, auto_restart: bool) -> bool:
+        """Whether a broken group starts again on its next call (``auto_restart`` by default)."""
+        return auto_restart and not self.restart_refusal
+
+    def close(self) -> None:
+        """The group stopped for good (after :meth:`cleanup`): release what outlives one launch."""
 
 
 class Incarnation:

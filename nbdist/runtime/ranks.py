@@ -5,19 +5,26 @@ A rank's process is either a :class:`LocalProcess` (a worker nbdist started: it 
 an exit code) or a :class:`RemoteProcess` (started by torchrun/srun elsewhere: alive while its
 lifeline is connected). Both answer the same questions -- ``exit_status``, ``kill()``, ``join()``
 -- so nothing above this module asks which kind it has.
+
+A failed attached group ends its remote ranks itself (:meth:`RankSet.abort_remote`): the moment one
+rank's lifeline closes unexpectedly -- or a call ends in a death, or a rank is killed -- every other
+remote rank is told to exit with :data:`~nbdist.wire.relay.ABORT_EXIT_CODE`, even one blocked inside
+a collective (its watchdog thread exits the process). torchrun then ends the job with a failure
+(or restarts it, with ``--max-restarts``) instead of holding the nodes.
 """
 from __future__ import annotations
 
 import queue
 import selectors
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..errors import ExitStatus
 from ..wire import transport
-from ..wire.relay import OutputRelay
+from ..wire.relay import ABORT_EXIT_CODE, OutputRelay
 
 
 #: Whether a process sentinel can wait in a selector next to sockets. Not on Windows, where
@@ -86,6 +93,10 @@ class LocalProcess:
     def expect_exit(self) -> None:
         """Nothing to note: the exit code says how it ended."""
 
+    def abort(self) -> bool:
+        """A local rank is stopped or killed by the group's teardown: nothing to do here."""
+        return False
+
     def release(self) -> None:
         """Free the process handle once it has exited (its exit status is kept)."""
         if self.exit_status is not None and self._process is not None:
@@ -96,14 +107,15 @@ class LocalProcess:
 class RemoteProcess:
     """A rank nbdist did not start (torchrun/srun on another host): alive while its lifeline is.
 
-    After the lifeline closes, its exit status is 0 if the rank was told to stop, else ``lost``.
+    After the lifeline closes, its exit status is 0 if the rank was told to stop,
+    :data:`ABORT_EXIT_CODE` if it was told to abort, else ``lost``.
     """
 
     sentinel = None
 
     def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay, node: str = "?"):
         self.rank, self.pid, self.host, self.node, self._relay = rank, pid, host, node, relay
-        self._expected = False
+        self._expected: Optional[int] = None  # the exit code we asked for
 
     @property
     def exit_status(self) -> Optional[ExitStatus]:
@@ -111,7 +123,9 @@ class RemoteProcess:
         lifeline = self._relay.lifeline(self.rank)
         if lifeline is None or lifeline.alive:
             return None
-        return ExitStatus(0) if self._expected else ExitStatus(lost=True, where=self.where)
+        if self._expected is not None:
+            return ExitStatus(self._expected)
+        return ExitStatus(lost=True, where=self.where)
 
     @property
     def where(self) -> str:
@@ -120,15 +134,33 @@ class RemoteProcess:
         node = f"node {self.node}, " if self.node not in ("", "?") else ""
         return f"{node}host {self.host}"
 
+    @property
+    def ended_by_us(self) -> bool:
+        """True if the group told this rank to stop or to abort."""
+        return self._expected is not None
+
     def expect_exit(self) -> None:
         """We asked the rank to stop: its lifeline closing then means a clean exit."""
-        self._expected = True
+        if self._expected is None:
+            self._expected = 0
+
+    def abort(self) -> bool:
+        """Tell the rank to exit with :data:`ABORT_EXIT_CODE` (its group failed); True if told."""
+        lifeline = self._relay.lifeline(self.rank)
+        if self._expected == ABORT_EXIT_CODE or lifeline is None or not lifeline.abort():
+            return False
+        self._expected = ABORT_EXIT_CODE
+        return True
 
     def kill(self) -> None:
         """Ask the worker's watchdog to SIGKILL its own process."""
         lifeline = self._relay.lifeline(self.rank)
         if lifeline is not None:
             lifeline.kill()
+
+    def use_relay(self, relay: OutputRelay) -> None:
+        """The rank's streams moved to ``relay`` (a generation admitted in the background)."""
+        self._relay = relay
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait until the rank's streams are closed."""
@@ -154,6 +186,7 @@ class Rank:
     busy_with: str = ""
     since: Optional[float] = None
     last_error: str = ""
+    generation: int = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
 
     @property
     def pid(self) -> Optional[int]:
@@ -195,6 +228,12 @@ class RankSet:
         self.relay = relay
         self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
                                                             for r in ranks}
+        self.aborted: List[int] = []  #: remote ranks told to exit because the group failed
+        self._abort_lock = threading.RLock()  # the relay's hook may re-enter abort_remote
+        self._in_hook = False
+        self.remote = any(isinstance(r.process, RemoteProcess) for r in ranks)
+        if self.remote:
+            relay.on_close = self._lifeline_closed
         self._sel = selectors.DefaultSelector()
         for r in ranks:
             self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))
@@ -249,19 +288,49 @@ class RankSet:
         for r in ranks:
             self.ranks[r].process.kill()
 
+    def _lifeline_closed(self, r: int) -> None:
+        """(Relay thread.) A remote rank's connection ended: unless we asked for it, the group
+        has failed -- its collectives can never complete -- so end the other remote ranks now."""
+        if self._in_hook or not 0 <= r < len(self.ranks) or \
+                getattr(self.ranks[r].process, "ended_by_us", True):
+            return
+        self._in_hook = True  # the relay's lock serialises this hook; drain() may re-enter it
+        try:
+            self.relay.drain()  # ranks that died at the same time are seen as dead, not aborted
+            self.abort_remote()
+        finally:
+            self._in_hook = False
+
+    def abort_remote(self, dead: Iterable[int] = ()) -> List[int]:
+        """Tell every remote rank still connected -- except the ``dead`` ones, known lost -- to
+        exit with :data:`ABORT_EXIT_CODE` (any thread; idempotent); return all the ranks told so
+        far, sorted."""
+        self.relay.drain()  # a rank whose end of stream already arrived is dead, not aborted
+        dead = set(dead)
+        with self._abort_lock:
+            for r in self.ranks:
+                if r.rank not in dead and r.exit_status is None and r.process.abort():
+                    self.aborted.append(r.rank)
+            return sorted(self.aborted)
+
     def shutdown(self, wait: float = 2.0) -> None:
         """Ask the idle ranks to stop (they destroy their process group and exit), kill the
         others, reap every process within ``wait`` seconds (killing stragglers), close all."""
         stop_msg = transport.encode(("stop", 0, None))
+        torn = False
         for r in self.ranks:
+            if r.rank in self.aborted:
+                continue  # exiting on its own (told to abort)
             if r.exit_status is None and r.state == "idle":
                 try:
+                    r.process.expect_exit()  # first: it may be gone before send returns
                     r.channel.send_bytes(stop_msg)
-                    r.process.expect_exit()
                 except OSError:
-                    pass
+                    torn = True
             elif r.exit_status is None:
                 r.process.kill()
+        if torn and self.remote:
+            self.abort_remote()  # not a clean stop: the launcher must not wait for the others
         deadline = time.monotonic() + wait
         for r in self.ranks:
             if r.exit_status is None:

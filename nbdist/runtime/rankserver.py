@@ -29,6 +29,7 @@ import torch.distributed as dist
 from ..wire import seal as seal_module
 from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
+from ..wire.relay import ABORT_EXIT_CODE
 from . import imports, ranklog, sealed
 from .worker_signals import SIGINT_MASK, SIGINT_SET, ignore_sigint, sigint_ignored, sigint_to_user
 
@@ -52,6 +53,8 @@ class _Worker:
         address = tuple(self.cfg["address"])
         key = self.cfg["key"]
         self.lifeline_seal = None
+        if self.cfg["group_id"] == "remote" and not hasattr(self, "launcher_stderr"):
+            self.launcher_stderr = os.dup(2)  # torchrun's/srun's log: the watchdog's last words
         for fd, stream in ((1, "stdout"), (2, "stderr")):
             sock, seal = transport.connect_session(address, key, {"rank": self.rank, "role": stream,
                                                                   "pid": os.getpid()})
@@ -72,9 +75,14 @@ class _Worker:
 
     def _watchdog(self) -> None:
         # The controller's end of the stderr stream carries one-byte commands: "I" interrupts the
-        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process.
-        # EOF or an error means the controller is gone: exit at once, never outlive it.
+        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process,
+        # "X" exits it with ABORT_EXIT_CODE (the group failed: the launcher must see a failure, not
+        # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
+        # never outlive it. Keepalive notices a controller host that vanished without a word.
         main_id = threading.main_thread().ident
+        _keepalive(self.lifeline)
+        code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
+                         "unreachable)")
         try:
             while True:
                 if self.lifeline_seal is not None:  # protected: one sealed command per frame
@@ -86,13 +94,23 @@ class _Worker:
                     break
                 if b"K" in data:  # no SIGKILL on Windows: SIGTERM there is TerminateProcess
                     os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
+                if b"X" in data:
+                    code, why = ABORT_EXIT_CODE, ("the controller ended this rank: its group "
+                                                  "failed (another rank died or was killed)")
+                    break
                 if b"I" in data:
                     signal.pthread_kill(main_id, signal.SIGINT)
         except seal_module.IntegrityError as err:
             self.refuse(err)
         except (OSError, AttributeError, ValueError):  # no pthread_kill on Windows: still exit
             pass
-        os._exit(70)
+        if getattr(self, "launcher_stderr", None) is not None:
+            try:
+                os.write(self.launcher_stderr, f"nbdist.worker rank {self.rank}: {why}; exiting "
+                                               f"with code {code}.\n".encode())
+            except OSError:
+                pass
+        os._exit(code)
 
     def refuse(self, err: BaseException) -> None:
         """A protected connection failed: say why on the launcher's log and to the caller, exit."""
@@ -135,7 +153,9 @@ class _Worker:
                         else torch.device("cpu")})
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
                 "node": os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
-                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads()}
+                "backend": str(dist.get_backend_config()), "threads": torch.get_num_threads(),
+                "restarts": (int(os.environ.get("TORCHELASTIC_RESTART_COUNT") or 0),
+                             int(os.environ.get("TORCHELASTIC_MAX_RESTARTS") or 0))}
 
     def _guard_init(self) -> None:
         original = dist.init_process_group
@@ -259,6 +279,20 @@ def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
         blob = None
     return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
             "traceback": formatted, "time": time.time(), "exception": blob}
+
+
+def _keepalive(sock: socket.socket) -> None:
+    """TCP keepalive on the lifeline: probes from 4 s idle, 2 s apart; a controller host that
+    answers nothing for 10 s (``TCP_USER_TIMEOUT``, Linux; it also bounds unacknowledged data)
+    -- 3 probes elsewhere -- is gone."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
+                            ("TCP_USER_TIMEOUT", 10000)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass  # not a TCP socket (or an old kernel): EOF still ends the worker
 
 
 def _flush_output() -> None:

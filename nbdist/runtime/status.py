@@ -93,6 +93,12 @@ class GroupStatus:
                 f"<tbody>{body}</tbody></table></div>")
 
 
+def generation_note(ranks: List) -> str:
+    """``" (generation 2, 4 ranks)"`` for ranks torchrun restarted; ``""`` for the first ones."""
+    gen = max((getattr(r, "generation", 1) for r in ranks or ()), default=1)
+    return f" (generation {gen}, {len(ranks)} ranks)" if gen > 1 else ""
+
+
 def collect_status(state: str, world_size: int, backend: str, device: str,
                    ranks: List, job: str = "") -> GroupStatus:
     """A :class:`GroupStatus` from a group's ranks (reads them without locks: safe from any thread;
@@ -116,7 +122,7 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
                                info.get("backend", backend), rstate,
                                r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
                                rss, r.last_error, str(getattr(r.process, "node", ""))))
-    return GroupStatus(state, world_size, backend, device, rows, job)
+    return GroupStatus(state + generation_note(ranks), world_size, backend, device, rows, job)
 
 
 def check_options(opts: Dict) -> None:

@@ -7,9 +7,10 @@ One background thread reads all of them; :meth:`OutputRelay.drain` lets the call
 already arrived before it returns a call's results, so a cell's output always precedes its value.
 
 The stderr socket is also the rank's :class:`Lifeline`: the caller writes one-byte commands down it
-(interrupt, kill: the worker's watchdog thread acts on them, even while the rank is blocked in a
-collective), and its end of stream says the process is gone. The relay only reads; the lifeline only
-writes and tells liveness.
+(interrupt, kill, abort: the worker's watchdog thread acts on them, even while the rank is blocked
+in a collective), and its end of stream says the process is gone. The relay only reads; the lifeline
+only writes and tells liveness. :attr:`OutputRelay.on_close` hears, on the relay thread, of every
+lifeline that closed: an attached group uses it to end the other ranks when one is lost.
 
 In a protected group (:mod:`.seal`) a worker's fds 1 and 2 are pipes that a thread of the worker
 sends on in signed frames, the relay checks each frame before showing a byte of it, and each command
@@ -31,6 +32,9 @@ from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
 Sink = Callable[[int, str, str], None]
 Tick = Callable[[float], Optional[float]]
 TAIL_LINES = 40
+#: The exit code of a worker told to abort (its group failed): non-zero, so that torchrun/srun end
+#: (or restart) the job instead of waiting for it; distinct from a crash or the lost-controller 70.
+ABORT_EXIT_CODE = 75
 
 
 def default_sink(rank: int, stream: str, text: str) -> None:
@@ -61,6 +65,19 @@ class Lifeline:
     def kill(self) -> bool:
         """Make the rank SIGKILL itself (works for ranks on other hosts too)."""
         return self._send(b"K")
+
+    def abort(self) -> bool:
+        """Make the rank exit at once with :data:`ABORT_EXIT_CODE` (its group failed): unlike a
+        kill, the launcher sees a plain failure exit, and the worker says why in its log."""
+        try:  # its end of stream already here (the relay has not read it yet): it is gone
+            if hasattr(socket, "MSG_DONTWAIT") and \
+                    self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b"":
+                return False
+        except (BlockingIOError, InterruptedError):
+            pass  # connected, nothing pending
+        except OSError:
+            return False
+        return self._send(b"X")
 
     def _send(self, command: bytes) -> bool:
         if self._closed.is_set():
@@ -97,6 +114,8 @@ class OutputRelay:
         self.sink: Sink = sink or default_sink
         self.tick = tick
         self.context: Optional[contextvars.Context] = None
+        #: Called with the rank whose lifeline just closed (relay thread, under the relay's lock).
+        self.on_close: Optional[Callable[[int], None]] = None
         self._sel = selectors.DefaultSelector()
         self._lock = threading.RLock()
         self._partial: Dict[Tuple[int, str], bytes] = {}
@@ -241,6 +260,11 @@ class OutputRelay:
             self._sel.unregister(sock)
             sock.close()
             self._eof[who].set()
+            if who[1] == "stderr" and self.on_close is not None:
+                try:
+                    self.on_close(who[0])
+                except Exception as err:  # noqa: BLE001 -- as for the sink: the relay goes on
+                    sys.__stderr__.write(f"nbdist: lifeline hook failed ({err!r})\n")
 
     def _emit(self, rank: int, stream: str, text: str) -> None:
         if "\r" in text:  # progress bars redraw with \r: keep what the terminal would show
@@ -254,6 +278,23 @@ class OutputRelay:
                 self.sink(rank, stream, text)
         except Exception as err:  # noqa: BLE001 -- a broken sink must not kill the relay
             sys.__stderr__.write(f"nbdist: output sink failed ({err!r}); rank {rank}: {text}\n")
+
+    def move_to(self, other: "OutputRelay") -> None:
+        """Hand every open stream (with its partial line and stderr tail) to ``other``, then
+        close this relay: ranks admitted in the background join the group's relay this way."""
+        with self._lock:
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    self._read(key.fileobj, key.data)  # what arrived so far goes out here
+            for key in list(self._sel.get_map().values()):
+                if key.data is not None:
+                    self._sel.unregister(key.fileobj)
+                    rank, stream = key.data
+                    other._partial[key.data] = self._partial.pop(key.data, b"")
+                    other._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).extend(
+                        self._tails.get(rank, ()))
+                    other.add(rank, stream, key.fileobj)
+        self.close()
 
     def close(self) -> None:
         """Stop the relay thread and close every stream still open."""

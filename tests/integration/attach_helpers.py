@@ -89,3 +89,48 @@ class Cluster:
                 p.wait()
             p.stderr.close()
         return [p.returncode for p in self.nodes]
+
+
+CONTROLLER = r"""
+import sys, nbdist
+port, key_file, world_size, code = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+g = nbdist.attach(world_size, listen=f"127.0.0.1:{port}", key_file=key_file, join_timeout=120,
+                  progress=False, timeout=60)
+print("attached", flush=True)
+g.exec(code)
+"""
+
+
+def controller(tmp_path, world_size, code):
+    """A notebook kernel stand-in: a process that attaches ``world_size`` ranks, says "attached"
+    on stdout, then runs ``code`` on them (e.g. a collective that never completes). Returns
+    ``(process, port, key_file)``; kill it with SIGKILL to play a kernel that died."""
+    port = free_port()
+    key_file = str(tmp_path / "key.hex")
+    script = tmp_path / "controller.py"
+    script.write_text(CONTROLLER)
+    p = subprocess.Popen([sys.executable, str(script), str(port), key_file, str(world_size), code],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=_die_with_parent)
+    wait_for(key_file)
+    return p, port, key_file
+
+
+def wait_all(procs, timeout):
+    """Wait up to ``timeout`` s for every process to exit; the seconds it took (or None)."""
+    start = time.monotonic()
+    for p in procs:
+        try:
+            p.wait(max(0.0, timeout - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            return None
+    return time.monotonic() - start
+
+
+def kill_tree(p):
+    """SIGKILL a process started with :func:`_die_with_parent` and everything in its session."""
+    try:
+        os.killpg(p.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    p.wait()
