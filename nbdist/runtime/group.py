@@ -27,7 +27,7 @@ from .current import _live, current_group, say_once, set_current, started_ids  #
 from .jobs import Job
 from .launcher import Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
-from .output import RankOutput
+from .output import RankOutput, rank_nodes
 from .ranks import Rank, RankSet
 from .status import GroupStatus, check_options, collect_status, generation_note
 
@@ -75,7 +75,7 @@ class Group:
         self._last_call: Optional[Call] = None
         self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
         self.output = output
-        self._out = RankOutput(dedupe_output, lambda: self.output)
+        self._out = RankOutput(dedupe_output, lambda: self.output, lambda: rank_nodes(self._ranks))
         self._opts: Dict[str, Any] = {}
         self._configure(world_size=world_size, backend=backend, device=device, timeout=timeout,
                         call_timeout=call_timeout, init_timeout=init_timeout, threads=threads,

@@ -89,6 +89,20 @@ def test_srun_tasks_join_with_node_labels_from_slurm_nodeid(slurm):
     assert g.run(lambda: 1) == [1, 1]
 
 
+def test_printed_output_names_the_node_of_one_rank(slurm, capsys):
+    g, _ = slurm
+    capsys.readouterr()
+    g.exec("print(f'loss {rank / 4}')")
+    out = capsys.readouterr().out
+    assert "[rank 0, node 0] loss 0.0\n" in out and "[rank 1, node 1] loss 0.25\n" in out
+    g.exec("print('the same line on both nodes')")
+    assert "[ranks 0, 1] the same line on both nodes\n" in capsys.readouterr().out
+    g.dedupe_output = False  # every line as written: still with its node
+    g.exec("print('unfolded')")
+    out = capsys.readouterr().out
+    assert "[rank 0, node 0] unfolded\n" in out and "[rank 1, node 1] unfolded\n" in out
+
+
 def test_a_task_that_dies_is_reported_with_its_node_and_no_task_stays(slurm):
     g, tasks = slurm
     with pytest.raises(nbdist.RankDiedError) as info:
