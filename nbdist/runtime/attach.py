@@ -108,8 +108,7 @@ class AttachLauncher(Launcher):
                       "store_tcp": (host, store.port),
                       "env": dict(opts["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
                                                         if opts["debug"] else {}))}
-            admission = _Remote(ws, config, relay, self.progress)
-            admission.protect = self.protect
+            admission = self._admission(ws, config, relay, self.progress)
             ranks: Dict[int, Rank] = {}
             try:
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
@@ -126,8 +125,14 @@ class AttachLauncher(Launcher):
             raise
         self._seen(ready)
         self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
-                                 lambda cfg, rel: _Remote(ws, cfg, rel, False))
+                                 lambda cfg, rel: self._admission(ws, cfg, rel, False))
         return ready, store
+
+    def _admission(self, ws, config, relay, progress) -> "_Remote":
+        """The admission of one generation of ranks: signed as the group is."""
+        admission = _Remote(ws, config, relay, progress)
+        admission.protect = self.protect
+        return admission
 
     def _next_generation(self, relay):
         """The ranks torchrun restarted, re-joined in the background: move their streams into

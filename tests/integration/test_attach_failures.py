@@ -269,3 +269,17 @@ def test_a_stop_right_after_a_failure_ends_the_job_torchrun_restarts(restartable
     g.stop()  # the restarted ranks find the group gone: they exit, torchrun's restarts run out
     assert wait_all(restartable.nodes, BOUND) is not None, "agents alive after the stop"
     assert all(p.returncode != 0 for p in restartable.nodes)
+
+
+def test_the_next_generation_of_a_signed_group_is_signed_too(tmp_path):
+    piped = "import os, stat\nstat.S_ISFIFO(os.fstat(1).st_mode)"  # signed: fd 1 is a pipe
+    c = Cluster(tmp_path, nnodes=2, nproc=1, max_restarts=1, protect=True)
+    try:
+        g = c.group
+        assert g.exec(piped) == [True, True]
+        with pytest.raises(nbdist.RankDiedError):
+            g.exec("import os\nif rank == 1:\n    os._exit(3)\nt = torch.ones(1); dist.all_reduce(t)")
+        assert g.exec(piped) == [True, True]  # generation 2, admitted in the background
+        assert "generation 2" in repr(g)
+    finally:
+        c.close(wait=5)
