@@ -14,7 +14,6 @@ from __future__ import annotations
 import os
 import shutil
 import socket
-import sys
 import tempfile
 from typing import Any, Dict, List, Optional, Tuple
 
@@ -123,21 +122,15 @@ class Incarnation:
             self.tmp = None
 
 
-#: Whether a worker can put a socket on its fds 1 and 2 (``dup2``). Not on Windows, where sockets
-#: are not C-runtime file descriptors: there a local group takes the signed path, whose fds 1 and
-#: 2 are pipes a thread forwards (:mod:`nbdist.runtime.sealed`) -- the path ``protect=True`` runs.
-SOCKETS_AS_FDS = sys.platform != "win32"
-
-
 class LocalLauncher(Launcher):
     """Fresh worker processes on this machine, started with ``start_method`` (``"forkserver"`` or
     ``"spawn"``; ``None``: ``NBDIST_START_METHOD``, else forkserver where the OS has it). The
     method is checked here, before anything starts, and kept for every restart. ``protect``:
-    every message signed (always, where :data:`SOCKETS_AS_FDS` is false)."""
+    every message signed."""
 
     def __init__(self, start_method: Optional[str] = None, protect: bool = False):
         self.start_method = check_start_method(start_method)
-        self.protect = protect or not SOCKETS_AS_FDS
+        self.protect = protect
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
         """Resolve the backend; refuse a world size this machine cannot run well."""

@@ -121,22 +121,3 @@ def test_the_orphan_probe_never_signals_a_process():
         child.kill()
         child.wait()
     assert not segments._alive(child.pid)
-
-
-def test_a_group_started_as_on_windows_runs_its_streams_through_pipes(monkeypatch, capsys):
-    """Windows sockets are not file descriptors, so a worker cannot put its stream sockets on fds
-    1 and 2: there a local group takes the signed path, whose fds 1 and 2 are pipes forwarded by a
-    thread. Here: that path, with spawn and polled exits, as Windows would run it."""
-    from nbdist.runtime import launcher
-
-    monkeypatch.setattr(launcher, "SOCKETS_AS_FDS", False)
-    monkeypatch.setattr(ranks, "SENTINELS_SELECTABLE", False)
-    with nbdist.start(2, start_method="spawn", timeout=30) as g:
-        assert g.run(lambda: __import__("stat").S_ISFIFO(os.fstat(1).st_mode)) == [True, True]
-        capsys.readouterr()
-        g.exec("import os\nos.write(1, f'C-level write from {rank}\\n'.encode())")
-        out = capsys.readouterr().out
-        assert "[rank 0] C-level write from 0" in out and "[rank 1] C-level write from 1" in out
-        with pytest.raises(nbdist.RemoteError, match="ValueError on rank 1"):
-            g.exec("if rank == 1: raise ValueError('x')")
-        assert g.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
