@@ -198,8 +198,8 @@ class Rank:
         """``None`` while the process runs."""
         status = self.process.exit_status
         why = getattr(self.channel, "failure", "")
-        if why and status and status.lost:
-            return ExitStatus(lost=True, where=status.where, why=why)
+        if why and status is not None:  # its connection refused a message: that is the cause
+            return ExitStatus(lost=True, where=getattr(self.process, "where", ""), why=why)
         return status
 
 
@@ -309,7 +309,9 @@ class RankSet:
         dead = set(dead)
         with self._abort_lock:
             for r in self.ranks:
-                if r.rank not in dead and r.exit_status is None and r.process.abort():
+                if r.rank in dead or getattr(r.channel, "failure", ""):
+                    continue  # lost, or its connection refused a message: not aborted by us
+                if r.exit_status is None and r.process.abort():
                     self.aborted.append(r.rank)
             return sorted(self.aborted)
 

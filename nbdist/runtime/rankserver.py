@@ -228,6 +228,9 @@ class _Worker:
             finally:
                 ranklog.end()  # what the call logged goes before its reply
             _flush_output()
+            counts = seal_module.sent_counts()  # protected: the caller waits for these frames
+            if counts:
+                channel.send(("sync", seq, counts, []))
             channel.send_bytes(reply)
             imports.run_pending()  # Group.preload: after the reply, before the next request
 

@@ -24,7 +24,8 @@ def protect_fd(fd: int, sock, seal: Seal, refuse) -> None:
     os.dup2(write_fd, fd)
     os.close(write_fd)
     # The lifeline's watchdog only reads this socket: sends come from the pump alone.
-    PUMPS.append(StreamPump(read_fd, sock, seal, threading.Lock(), lambda: _stream_lost(fd)))
+    PUMPS.append(StreamPump(read_fd, sock, seal, threading.Lock(), lambda: _stream_lost(fd),
+                            "stdout" if fd == 1 else "stderr"))
 
 
 def _say(text: str) -> None:

@@ -126,6 +126,8 @@ class OutputRelay:
         self._closed = False
         self._lifelines: Dict[int, Lifeline] = {}
         self._frames: Dict[Tuple[int, str], FrameReader] = {}
+        self._got: Dict[Tuple[int, str], int] = {}  # sealed frames received per stream
+        self._expected: Dict[Tuple[int, str], int] = {}  # ... and sent, as a rank last said
         self._thread = threading.Thread(target=self._loop, name="nbdist-output", daemon=True)
         self._thread.start()
 
@@ -173,8 +175,28 @@ class OutputRelay:
         self.drain()
         return ok
 
+    def expect(self, rank: int, sent: Dict[str, int]) -> None:
+        """A protected rank sent ``sent[stream]`` output frames before the reply that follows:
+        :meth:`drain` waits for them (streams and replies travel on different connections)."""
+        with self._lock:
+            for stream, count in sent.items():
+                self._expected[(rank, stream)] = int(count)
+
+    def _await_expected(self, timeout: float = 2.0) -> None:
+        if threading.current_thread() is self._thread:
+            return  # the relay thread itself reads them
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self._lock:
+                if all(self._got.get(k, 0) >= n or self._eof[k].is_set()
+                       for k, n in self._expected.items() if k in self._eof):
+                    return
+            time.sleep(0.001)
+
     def drain(self, flush_partial: bool = False) -> None:
-        """Relay, on this thread, everything that has already arrived on any stream."""
+        """Relay, on this thread, everything that has already arrived on any stream (and, of a
+        protected rank, every output frame it said it sent before its reply)."""
+        self._await_expected()
         with self._lock:
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
@@ -241,6 +263,7 @@ class OutputRelay:
         if chunks and reader is not None:
             try:
                 chunks = reader.feed(b"".join(chunks))
+                self._got[who] = self._got.get(who, 0) + len(chunks)
             except IntegrityError:
                 chunks, eof = [], True  # nothing of a bad frame is shown; the stream is dropped
                 self._emit(who[0], "stderr", f"nbdist: rank {who[0]}'s {who[1]} stream: "
