@@ -8,6 +8,7 @@ import cloudpickle
 import pytest
 import torch
 from attach_helpers import Cluster
+from IPython.testing import globalipapp
 from IPython.testing.globalipapp import start_ipython
 from IPython.utils.capture import capture_output
 
@@ -89,33 +90,37 @@ def _cell(shell, line, cell):
 
 
 def test_dist_magic_and_its_flags(g):
-    shell = start_ipython()
+    shell = start_ipython() or globalipapp.get_ipython()  # one test shell per process
     shell.display_formatter.active_types = shell.display_formatter.format_types
     shell.run_line_magic("load_ext", "nbdist")
-    magics.use_group(g)
-    _, out = _cell(shell, "", "print('hello from', rank)\nrank * 3")
-    shown = [o.data.get("text/plain") for o in out.outputs]
-    assert shown == ["Out[rank 0]: 0", "Out[rank 1]: 3"]
-    assert "hello from" in out.stdout
-    _, out = _cell(shell, "--ranks 1 -q", "z = 5\nz")
-    assert out.outputs == []
-    assert g.exec("globals().get('z')") == [None, 5]
-    _, out = _cell(shell, "--all-output", "print('same line')")
-    assert out.stdout.count("same line") == 2
-    _, out = _cell(shell, "--trace -q", "t = torch.ones(4)\ndist.all_reduce(t)")
-    assert "all_reduce" in "".join(o.data.get("text/plain", "") for o in out.outputs)
-    _, out = _cell(shell, "--timeout 30", "rank")
-    assert [o.data.get("text/plain") for o in out.outputs] == ["Out[rank 0]: 0", "Out[rank 1]: 1"]
-    job = shell.run_cell_magic("dist", "--bg attached_job -q", "import time; time.sleep(0.2)")
-    assert job.result(timeout=60) == [None, None]
-    shell.user_ns["kernel_value"] = 41
-    shell.run_line_magic("dist_push", "kernel_value")
-    shell.run_line_magic("dist_pull", "y --rank 1")
-    assert shell.user_ns["y"] == 10 and g.exec("kernel_value + 1") == [42, 42]
-    with capture_output() as captured:
-        shell.run_line_magic("dist_status", "")
-    assert "node" in captured.stdout + "".join(o.data.get("text/plain", "")
-                                               for o in captured.outputs)
+    try:
+        magics.use_group(g)
+        _, out = _cell(shell, "", "print('hello from', rank)\nrank * 3")
+        shown = [o.data.get("text/plain") for o in out.outputs]
+        assert shown == ["Out[rank 0]: 0", "Out[rank 1]: 3"]
+        assert "hello from" in out.stdout
+        _, out = _cell(shell, "--ranks 1 -q", "z = 5\nz")
+        assert out.outputs == []
+        assert g.exec("globals().get('z')") == [None, 5]
+        _, out = _cell(shell, "--all-output", "print('same line')")
+        assert out.stdout.count("same line") == 2
+        _, out = _cell(shell, "--trace -q", "t = torch.ones(4)\ndist.all_reduce(t)")
+        assert "all_reduce" in "".join(o.data.get("text/plain", "") for o in out.outputs)
+        _, out = _cell(shell, "--timeout 30", "rank")
+        assert [o.data.get("text/plain") for o in out.outputs] == ["Out[rank 0]: 0",
+                                                                   "Out[rank 1]: 1"]
+        job = shell.run_cell_magic("dist", "--bg attached_job -q", "import time; time.sleep(0.2)")
+        assert job.result(timeout=60) == [None, None]
+        shell.user_ns["kernel_value"] = 41
+        shell.run_line_magic("dist_push", "kernel_value")
+        shell.run_line_magic("dist_pull", "y --rank 1")
+        assert shell.user_ns["y"] == 10 and g.exec("kernel_value + 1") == [42, 42]
+        with capture_output() as captured:
+            shell.run_line_magic("dist_status", "")
+        assert "node" in captured.stdout + "".join(o.data.get("text/plain", "")
+                                                   for o in captured.outputs)
+    finally:
+        shell.run_line_magic("unload_ext", "nbdist")  # as the notebooks' session shell expects
 
 
 # ---- benchmarks and traces -----------------------------------------------------------------------

@@ -8,6 +8,7 @@ that existed before the test.
 from __future__ import annotations
 
 import pytest
+from IPython.testing import globalipapp
 from IPython.testing.globalipapp import start_ipython
 
 from nbdist.lightning import warmup as warm
@@ -17,7 +18,7 @@ from nbdist.ui import magics
 @pytest.fixture(scope="session")
 def shell():
     """IPython's in-process test shell, formatting every mime type, with ``%load_ext nbdist``."""
-    ip = start_ipython()
+    ip = start_ipython() or globalipapp.get_ipython()  # None if another test started it
     ip.display_formatter.active_types = ip.display_formatter.format_types
     ip.run_line_magic("load_ext", "nbdist")
     warm.AUTO = False  # the session imports Lightning: keep its early import off other tests' ranks
