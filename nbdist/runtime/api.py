@@ -39,7 +39,9 @@ def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] 
     and returns once every rank has joined and initialised torch.distributed (or raises
     :class:`DistTimeoutError` after ``join_timeout`` seconds naming the missing ranks). Each rank
     takes its rank and world size from the launcher's environment. ``backend="auto"`` is resolved
-    on the ranks' own hardware. The returned group works like a local one, except ``restart()``.
+    on the ranks' own hardware. The returned group works like a local one, except ``restart()``;
+    ranks that torchrun restarts (``--max-restarts``) re-join it as its next generation. When a
+    rank is lost the group tells the other ranks to exit, so the launcher's job ends too.
 
     ``protect``: sign every message after the handshake (HMAC-SHA256 with per-connection keys and
     sequence numbers; a tampered message is refused and its connection dropped). ``None`` (the
