@@ -1,5 +1,6 @@
 """Two torchrun "nodes" on this machine (two torchrun invocations, static rendezvous) whose ranks
 join one notebook-side :func:`nbdist.attach` group: shared by the attached-group tests."""
+import contextlib
 import ctypes
 import os
 import signal
@@ -134,3 +135,44 @@ def kill_tree(p):
     except ProcessLookupError:
         pass
     p.wait()
+
+
+def _sh(*cmd):
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
+
+
+@contextlib.contextmanager
+def veth_node(prefix, subnet):
+    """A network namespace "node" reachable from this one over a veth pair, addresses
+    ``{subnet}.x.1`` (here) and ``{subnet}.x.2`` (there) on a /30; yields
+    ``(ns, host_ip, node_ip)``.
+    Skips the test where namespaces or veth pairs cannot be made. ``prefix`` (2 letters) and
+    ``subnet`` keep the fixtures of different test modules apart."""
+    import secrets
+
+    import pytest
+
+    tag = secrets.token_hex(2)
+    ns, host_if, node_if = f"{prefix}d{tag}", f"{prefix}h{tag}", f"{prefix}n{tag}"
+    made = _sh("ip", "netns", "add", ns)
+    if made.returncode != 0:
+        pytest.skip(f"network namespaces are not available here: {made.stderr.strip()}")
+    octet = int(tag, 16) % 250
+    host_ip, node_ip = f"{subnet}.{octet}.1", f"{subnet}.{octet}.2"
+    try:
+        for cmd in (("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if),
+                    ("ip", "link", "set", node_if, "netns", ns),
+                    ("ip", "addr", "add", f"{host_ip}/30", "dev", host_if),
+                    ("ip", "link", "set", host_if, "up"),
+                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev",
+                     node_if),
+                    ("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"),
+                    ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")):
+            res = _sh(*cmd)
+            if res.returncode != 0:
+                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): "
+                            f"{res.stderr.strip()}")
+        yield ns, host_ip, node_ip
+    finally:
+        _sh("ip", "link", "del", host_if)
+        _sh("ip", "netns", "del", ns)

@@ -10,7 +10,8 @@ import pytest
 
 import nbdist
 
-from attach_helpers import Cluster, free_port as _free_port  # tests/integration, on sys.path
+# tests/integration, on sys.path
+from attach_helpers import Cluster, free_port as _free_port, veth_node
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -102,37 +103,11 @@ def test_worker_outside_a_launcher_says_what_is_missing(tmp_path):
     assert out.returncode != 0 and "$RANK is not set: start this worker with torchrun" in out.stderr
 
 
-def _sh(*cmd):
-    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-
-
 @pytest.fixture
 def netns():
-    """A network namespace "node" reachable from this one over a veth pair (10.250.x.0/30)."""
-    import secrets
-
-    tag = secrets.token_hex(2)
-    ns, host_if, node_if = f"nbd{tag}", f"nbh{tag}", f"nbn{tag}"
-    made = _sh("ip", "netns", "add", ns)
-    if made.returncode != 0:
-        pytest.skip(f"network namespaces are not available here: {made.stderr.strip()}")
-    octet = int(tag, 16) % 250
-    host_ip, node_ip = f"10.250.{octet}.1", f"10.250.{octet}.2"
-    try:
-        for cmd in (("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if),
-                    ("ip", "link", "set", node_if, "netns", ns),
-                    ("ip", "addr", "add", f"{host_ip}/30", "dev", host_if),
-                    ("ip", "link", "set", host_if, "up"),
-                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev", node_if),
-                    ("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"),
-                    ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")):
-            res = _sh(*cmd)
-            if res.returncode != 0:
-                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): {res.stderr.strip()}")
-        yield ns, host_ip, node_ip
-    finally:
-        _sh("ip", "link", "del", host_if)
-        _sh("ip", "netns", "del", ns)
+    """A network namespace "node" over a veth pair (10.250.x.0/30)."""
+    with veth_node("nb", "10.250") as node:
+        yield node
 
 
 def test_controller_and_ranks_on_different_addresses(netns, tmp_path):

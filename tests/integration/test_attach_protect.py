@@ -16,7 +16,7 @@ import pytest
 import nbdist
 from nbdist.wire import transport
 
-from attach_helpers import free_port, wait_for  # tests/integration, on sys.path
+from attach_helpers import free_port, veth_node, wait_for  # tests/integration, on sys.path
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -255,39 +255,11 @@ def test_a_tampered_output_line_is_not_shown_and_the_rank_is_stopped(protected, 
     assert protected.procs[1].wait(30) != 0
 
 
-def _sh(*cmd):
-    return subprocess.run(cmd, capture_output=True, text=True)
-
-
 @pytest.fixture
 def netns():
-    """A network namespace "node" reachable from this one over a veth pair (10.250.x.0/30)."""
-    import secrets
-
-    tag = secrets.token_hex(2)
-    ns, host_if, node_if = f"nbp{tag}", f"nph{tag}", f"npn{tag}"
-    made = _sh("ip", "netns", "add", ns)
-    if made.returncode != 0:
-        pytest.skip(f"network namespaces are not available here: {made.stderr.strip()}")
-    octet = int(tag, 16) % 250
-    host_ip, node_ip = f"10.251.{octet}.1", f"10.251.{octet}.2"
-    try:
-        for cmd in (("ip", "link", "add", host_if, "type", "veth", "peer", "name", node_if),
-                    ("ip", "link", "set", node_if, "netns", ns),
-                    ("ip", "addr", "add", f"{host_ip}/30", "dev", host_if),
-                    ("ip", "link", "set", host_if, "up"),
-                    ("ip", "netns", "exec", ns, "ip", "addr", "add", f"{node_ip}/30", "dev",
-                     node_if),
-                    ("ip", "netns", "exec", ns, "ip", "link", "set", node_if, "up"),
-                    ("ip", "netns", "exec", ns, "ip", "link", "set", "lo", "up")):
-            res = _sh(*cmd)
-            if res.returncode != 0:
-                pytest.skip(f"cannot build a veth pair here ({' '.join(cmd)}): "
-                            f"{res.stderr.strip()}")
-        yield ns, host_ip, node_ip
-    finally:
-        _sh("ip", "link", "del", host_if)
-        _sh("ip", "netns", "del", ns)
+    """A network namespace "node" over a veth pair (10.251.x.0/30)."""
+    with veth_node("np", "10.251") as node:
+        yield node
 
 
 def test_a_group_off_loopback_is_protected_without_being_asked(netns, tmp_path):
