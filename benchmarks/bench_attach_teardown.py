@@ -42,14 +42,19 @@ def stop_case(tmp):
         c.close(wait=5)
 
 
+def _kill_rank3_in_all_reduce(group):
+    """Rank 3 exits while the others enter an all_reduce; the RankDiedError is expected."""
+    try:
+        group.exec("import os\nif rank == 3:\n    os._exit(3)\nt = torch.ones(10)\n"
+                   "dist.all_reduce(t)")
+    except nbdist.RankDiedError:
+        pass
+
+
 def death_case(tmp):
     c = Cluster(tmp, nnodes=2, nproc=2)
     try:
-        try:
-            c.group.exec("import os\nif rank == 3:\n    os._exit(3)\nt = torch.ones(10)\n"
-                         "dist.all_reduce(t)")
-        except nbdist.RankDiedError:
-            pass
+        _kill_rank3_in_all_reduce(c.group)
         t0 = time.monotonic()
         took = wait_all(c.nodes, 60)
         return took if took is None else time.monotonic() - t0, [p.returncode for p in c.nodes]
@@ -77,11 +82,7 @@ def kernel_case(tmp):
 def regen_case(tmp):
     c = Cluster(tmp, nnodes=2, nproc=2, max_restarts=1)
     try:
-        try:
-            c.group.exec("import os\nif rank == 3:\n    os._exit(3)\nt = torch.ones(10)\n"
-                         "dist.all_reduce(t)")
-        except nbdist.RankDiedError:
-            pass
+        _kill_rank3_in_all_reduce(c.group)
         t0 = time.monotonic()
         c.group.exec("t = torch.ones(10); dist.all_reduce(t)")
         took = time.monotonic() - t0
