@@ -27,7 +27,7 @@ all-reduces the whole input, so its reduce_scatter moves ``2 (n-1)/n`` of the in
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Dict, Iterable, Iterator, Optional
 
 from ..report.table import Column
 from .records import Table

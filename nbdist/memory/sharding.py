@@ -111,8 +111,8 @@ def mesh_estimate(strategy: str, split: Dict[str, Any], world_size: int, precisi
     tp, dp = split["tp"], split["dp"]
     if strategy == "tp":
         local = math.ceil(s / tp) + r
-        shape = (f"TP: (P + G + K)(Ψ_s/tp + Ψ_r) (Megatron-LM, Shoeybi et al. 2019: column- and "
-                 f"row-parallel weights split over tp, norms and row-parallel biases replicated)")
+        shape = ("TP: (P + G + K)(Ψ_s/tp + Ψ_r) (Megatron-LM, Shoeybi et al. 2019: column- and "
+                 "row-parallel weights split over tp, norms and row-parallel biases replicated)")
     elif strategy == "fsdp2+tp":
         local = math.ceil(s / (dp * tp)) + math.ceil(r / dp)
         shape = ("2-D: (P + G + K)(Ψ_s/(dp·tp) + Ψ_r/dp) (Megatron-LM's TP shard, then ZeRO-3 over "

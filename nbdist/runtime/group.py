@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextvars
 import itertools
-import os
 import secrets
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
