@@ -88,8 +88,7 @@ class Group:
 
     # ---- configuration ------------------------------------------------------------------------
     def _configure(self, **opts) -> None:  # validate everything before anything changes
-        new = dict(self._opts)
-        new.update(opts)
+        new = dict(self._opts, **opts)
         check_options(new)
         self._choice = self._launcher.choose(new)
         self._opts = new
@@ -148,13 +147,16 @@ class Group:
 
     def restart(self, **changes) -> "Group":
         """Stop the workers and start fresh ones, with any option changed (``world_size=``,
-        ``backend=``, ``device=``, ``timeout=``...). Per-rank variables are lost."""
+        ``backend=``, ``device=``, ``timeout=``...). Per-rank variables are lost; a running
+        background job is interrupted first, as by :meth:`stop`."""
         if self._launcher.restart_refusal:
             raise GroupClosedError(self._launcher.restart_refusal)
         unknown = set(changes) - set(self._opts)
         if unknown:
             raise TypeError(f"restart() got unknown option(s) {sorted(unknown)}; "
                             f"valid: {sorted(self._opts)}")
+        if self._job is not None:  # as stop(): a running background job is interrupted first
+            self._job.end(self._opts["grace"] + 10.0)
         with self._lock:
             self._configure(**changes)  # validate before stopping anything
             self._shutdown()
@@ -169,10 +171,8 @@ class Group:
         that call's ranks are killed; the call then raises :class:`GroupClosedError` in its own
         thread, which releases everything, and this method waits up to 5 s for that.
         """
-        job = self.job
-        if job is not None:  # a background job: interrupt it first, as Ctrl-C would
-            job.interrupt()
-            job.wait(self._opts["grace"] + 10.0)
+        if self._job is not None:  # a background job still running: interrupted first
+            self._job.end(self._opts["grace"] + 10.0)
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             self._stop_requested = True
             rs = self._rs
@@ -374,6 +374,8 @@ class Group:
                 try:
                     call.wait(rs, tick=0.1)  # no lock held: status() and other cells go on
                     with self._lock:
+                        if self._rs is not rs and self._rs is not None:  # never settle new ranks
+                            raise GroupClosedError("the group was restarted while this job ran")
                         return self._end(call)
                 finally:
                     segments.remove_segments(req.segments)

@@ -105,6 +105,13 @@ class Job:
         Returns at once; :meth:`wait` for the end."""
         self.call.cancel()
 
+    def end(self, timeout: float) -> None:
+        """If the job still runs: :meth:`interrupt` it and wait up to ``timeout`` s for its end
+        (what the group's ``stop()`` and ``restart()`` do first)."""
+        if self.running():
+            self.interrupt()
+            self.wait(timeout)
+
     def busy_error(self) -> GroupBusyError:
         """The error a call on the group raises while this job runs."""
         return GroupBusyError(

@@ -122,6 +122,27 @@ def test_stop_interrupts_a_running_job_first():
     assert g.state == "stopped"
 
 
+def test_restart_interrupts_a_running_job_first_and_the_new_ranks_stay():
+    """restart() with a job running (the launcher's Restart button calls it): the job is
+    interrupted as by stop(), and its end never tears down the ranks the restart started."""
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    try:
+        old = g.run(os.getpid)
+        job = g.submit_exec("import time\nt = torch.ones(1)\nif rank == 0:\n"
+                            "    time.sleep(60)\ndist.all_reduce(t)", name="stuck")
+        time.sleep(0.5)
+        g.restart()
+        assert job.done() and job.state in ("interrupted", "failed")
+        with pytest.raises(nbdist.GroupInterrupted):
+            job.result(timeout=5)
+        new = g.run(os.getpid)
+        assert g.state == "ready" and set(new).isdisjoint(old)
+        time.sleep(0.5)  # the job's end is long past: nothing of it touches the new ranks
+        assert g.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
+    finally:
+        g.stop()
+
+
 def test_job_output_is_kept_per_rank(group):
     job = group.submit_exec("for i in range(3):\n    print(f'line {i} on {rank}')", name="out")
     job.result(timeout=30)
