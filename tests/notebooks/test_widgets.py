@@ -215,6 +215,24 @@ def test_launcher_table_follows_a_running_call(shared_group, panels):
                 and t is thread]
 
 
+@pytest.mark.timeout(90)
+def test_launcher_shows_a_running_job_and_restart_interrupts_it(panels):
+    group = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    nbdist.use_group(group)
+    ui = panels(launcher, refresh_interval=0.05)
+    job = group.submit_exec("import time, nbdist\nfor i in range(600):\n"
+                            "    nbdist.log(step=i, loss=1.0)\n    time.sleep(0.05)", name="train")
+    deadline = time.monotonic() + 20
+    while "nbdist-job" not in ui._table.value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "job &#x27;train&#x27;: running" in ui._table.value
+    ui.buttons["restart"].click()  # calls are refused while a job runs; Restart interrupts it
+    assert job.done() and job.state in ("interrupted", "failed")
+    assert group.state == "ready" and group.run(lambda: 1) == [1, 1]
+    ui.refresh()
+    assert "nbdist-job" not in ui._table.value
+
+
 # ---- the benchmark panel ----------------------------------------------------------------------
 @pytest.mark.timeout(120)
 def test_bench_panel_runs_and_compares(group, panels):

@@ -275,11 +275,12 @@ class Launcher(Panel):
                        + ("device", "memory", "last error"))
         note = (f"<div class='nbdist-restart-note' style='font-size:smaller;color:#444'>Restart "
                 f"is off: {html.escape(refusal)}</div>" if refusal else "")
+        job = (f"<div class='nbdist-job'>{html.escape(s.job)}</div>" if s.job else "")
         return (f"<div class='nbdist-group' data-state='{html.escape(s.state)}' "
                 f"data-backend='{html.escape(s.backend)}'>group "
                 f"<code>{group.id}</code>: <b>{html.escape(s.state)}</b>, world size "
                 f"{s.world_size}, backend <code>{html.escape(s.backend)}</code>, device "
-                f"{html.escape(s.device)}</div><table class='nbdist-ranks'><thead><tr>{head}"
+                f"{html.escape(s.device)}</div>{job}<table class='nbdist-ranks'><thead><tr>{head}"
                 f"</tr></thead><tbody>{''.join(rows)}</tbody></table>{note}")
 
     def _watch(self) -> None:
