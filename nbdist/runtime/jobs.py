@@ -7,6 +7,7 @@ raised. While it runs, the group refuses other calls with :class:`~nbdist.GroupB
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import html
 import threading
@@ -16,6 +17,10 @@ from typing import Any, Callable, Dict, List, Optional
 from ..errors import GroupBusyError
 from .calls import INTERRUPTED, OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
 from .metrics import Metrics
+
+#: every job started in this process (``g.submit``, ``%%dist --bg``, ``lightning.fit(block=False)``),
+#: oldest first; the last 100 are kept. ``%dist_jobs``, ``%dist_wait`` and ``%dist_watch`` read it.
+STARTED: "collections.deque[Job]" = collections.deque(maxlen=100)
 
 
 class Job:
@@ -40,6 +45,7 @@ class Job:
 
     def start(self) -> "Job":
         """Start waiting for the ranks (the request was already sent)."""
+        STARTED.append(self)
         self._thread.start()
         return self
 

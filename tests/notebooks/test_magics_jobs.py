@@ -59,6 +59,17 @@ def test_wait_raises_the_jobs_error(shell, dist_group):
     assert dist_group.state == "ready"
 
 
+def test_job_magics_know_jobs_started_in_code(shell, dist_group):
+    job = dist_group.submit(sum, [1, 2])  # not through %%dist --bg: named after the function
+    job.result(timeout=30)
+    with capture_output() as out:
+        shell.run_line_magic("dist_jobs", "")
+    assert "job 'sum': done" in "".join(o.data["text/plain"] for o in out.outputs)
+    with capture_output() as out:
+        shell.run_line_magic("dist_wait", "sum")
+    assert "Out[rank 0]: 3" in [o.data["text/plain"] for o in out.outputs]
+
+
 def test_no_jobs_yet(shell, dist_group, monkeypatch):
     monkeypatch.setattr(job_magics, "JOBS", [])
     with capture_output() as out:

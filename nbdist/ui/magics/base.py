@@ -14,6 +14,7 @@ from IPython.core.magic_arguments import parse_argstring
 from IPython.display import display
 
 from ...runtime.group import Group, current_group
+from ...runtime.jobs import STARTED
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
@@ -128,7 +129,7 @@ def _strategy_list(text: str) -> List[str]:
     return names
 
 
-JOBS: list = []  #: jobs started by ``%%dist --bg`` in this kernel, oldest first
+JOBS = STARTED  #: the jobs started in this kernel, oldest first (``%%dist --bg``, ``g.submit``...)
 
 
 def job_name(text: str) -> str:

@@ -168,7 +168,6 @@ class DistMagics(NbdistMagics):
         check_ranks(ranks, group.world_size, "--ranks", self.dist)
         job = group.submit_exec(source, ranks=ranks, timeout=timeout,
                                 name=name or f"job{len(JOBS) + 1}")
-        JOBS.append(job)
         if name:
             self.shell.user_ns[name] = job
         return job

@@ -1,4 +1,5 @@
-"""``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs the magics started,
+"""``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs started in this kernel
+(``%%dist --bg``, ``g.submit``, ``nbdist.lightning.fit(..., block=False)``),
 ``%dist_wait [NAME]`` waits for one (a progress bar follows the steps the ranks log) and
 ``%dist_watch [NAME]`` shows its live view."""
 from __future__ import annotations
@@ -22,7 +23,7 @@ def find_job(name: Optional[str]) -> Job:
             return job
     known = ", ".join(j.name for j in JOBS) or "none yet"
     raise UsageError(f"no background job {'named ' + repr(name) if name else 'was started'} "
-                     f"(jobs: {known}); start one with %%dist --bg NAME")
+                     f"(jobs: {known}); start one with %%dist --bg NAME or g.submit(fn)")
 
 
 @register_magics
@@ -33,10 +34,11 @@ class JobMagics(NbdistMagics):
     @line_magic
     @magic_arguments()
     def dist_jobs(self, line: str = "") -> None:
-        """List the background jobs started with %%dist --bg: state, time, last step per rank."""
+        """List the background jobs started in this kernel (%%dist --bg, g.submit, Lightning's
+        fit(block=False)): state, time, last step per rank."""
         self.parse(self.dist_jobs, line)
         if not JOBS:
-            print("no background jobs yet: start one with %%dist --bg NAME")
+            print("no background jobs yet: start one with %%dist --bg NAME or g.submit(fn)")
             return
         text = "\n".join(job.describe() for job in JOBS)
         rows = "".join(f"<tr><td>{html.escape(j.name)}</td><td>{j.state}</td>"
