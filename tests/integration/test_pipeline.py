@@ -1,5 +1,6 @@
-"""Pipelines on real ranks (2, gloo): losses and weights match one process; bad arguments give
-clear errors on every rank and leave the group usable; a timed step gives a timeline (issue 19)."""
+"""Pipelines on real ranks (2, gloo): losses, the local stages' gradients and weights match one
+process; bad arguments give clear errors on every rank and leave the group usable; a timed step
+gives a timeline (issue 19)."""
 import sys
 
 import cloudpickle
@@ -27,7 +28,8 @@ def batch(n=8, width=16):
 
 
 def train(schedule, microbatches, steps=2, split=None, layers=8):
-    """Train the pipeline and one process side by side; compare loss and the local weights."""
+    """Train the pipeline and one process side by side; compare the loss, the local stages'
+    gradients at every step and their weights at the end."""
     import copy
     import functools
 
@@ -40,20 +42,23 @@ def train(schedule, microbatches, steps=2, split=None, layers=8):
     pipe = pipeline(model, schedule, microbatches, loss_fn=torch.nn.functional.mse_loss,
                     split=split, optimizer_fn=sgd)
     ref_opt = sgd(reference.parameters())
-    losses, ref_losses = [], []
+    held = [i for layers_ in pipe.layers.values() for i in layers_]
+    losses, ref_losses, grad_errors = [], [], []
     for _ in range(steps):
-        losses.append(pipe.step(x, y))
-        ref_opt.zero_grad()
+        losses.append(pipe.step(x, y))  # zero_grad, forward/backward, optimizer.step: the
+        ref_opt.zero_grad()             # local stages' .grad stay those of this step
         loss = torch.nn.functional.mse_loss(reference(x), y)
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
-    held = [i for layers_ in pipe.layers.values() for i in layers_]
+        grad_errors.append(max((p.grad - q.grad).abs().max().item() for i in held
+                               for p, q in zip(model[i].parameters(), reference[i].parameters())))
     error = max((p - q).abs().max().item() for i in held
                 for p, q in zip(model[i].parameters(), reference[i].parameters()))
     changed = all(not torch.equal(p, q) for i in held
                   for p, q in zip(model[i].parameters(), make_model(layers)[i].parameters()))
     return dict(losses=losses, ref_losses=ref_losses, error=error, held=held, changed=changed,
+                grad_errors=grad_errors,
                 stages=pipe.stages, last=pipe.last,
                 optimizer_params=sum(len(g["params"]) for g in pipe.optimizer.param_groups),
                 local_params=sum(1 for m in pipe.stage_modules for _ in m.parameters()))
@@ -63,6 +68,7 @@ def check_like_one_process(out, layers=8):
     world = len(out)
     assert sorted(i for r in out for i in r["held"]) == list(range(layers))  # every layer once
     for rank, r in enumerate(out):
+        assert max(r["grad_errors"]) < 1e-5, r["grad_errors"]  # the local layers' gradients
         assert r["error"] < 1e-6  # the local stages' weights after 2 SGD steps
         assert r["changed"]  # ... which did train
         assert r["optimizer_params"] == r["local_params"]
