@@ -134,6 +134,11 @@ def errors_then_a_good_step():
         "not_sequential": lambda: pipeline(torch.nn.Linear(4, 4), "1f1b", 4, loss_fn=mse),
         "loss_fn": lambda: pipeline(make_model(), "1f1b", 4, loss_fn=None),
         "stage_count": lambda: pipeline([make_model(2)], "gpipe", 2, loss_fn=mse),
+        "split_of_a_list": lambda: pipeline(list(make_model(2)), "gpipe", 2, loss_fn=mse,
+                                            split=[1]),
+        "not_modules": lambda: pipeline([make_model(1), "layer"], "gpipe", 2, loss_fn=mse),
+        "optimizer_fn": lambda: pipeline(make_model(), "1f1b", 4, loss_fn=mse,
+                                         optimizer_fn="sgd"),
     }
     messages = {}
     for key, build in bad.items():
@@ -148,6 +153,10 @@ def errors_then_a_good_step():
     except ValueError as err:
         messages["batch"] = str(err)
     x, y = batch(8)
+    try:
+        pipe.step(None, y)  # the first stage's rank without its inputs
+    except ValueError as err:
+        messages["no_x"] = str(err)
     first = pipe.step(x, y)
     x, y = batch(12)
     try:
@@ -176,6 +185,16 @@ def test_bad_arguments_fail_on_every_rank_and_leave_the_group_usable(shared_grou
                                           "layer count, got Linear. Pass its layers in order")
     assert "loss_fn must be a callable (output, target) -> loss" in m["loss_fn"]
     assert "1 stage modules for 2 stages (2 ranks): pass one module per stage" in m["stage_count"]
+    assert m["split_of_a_list"] == ("ValueError: split= applies to an nn.Sequential; a list of "
+                                    "modules is already one module per stage")
+    assert m["not_modules"] == ("TypeError: a model given as a list must hold one nn.Module per "
+                                "stage")
+    assert m["optimizer_fn"] == ("TypeError: optimizer_fn must build the optimizer from "
+                                 "parameters, e.g. functools.partial(torch.optim.SGD, lr=0.1); "
+                                 "got str")
+    assert m["no_x"] == out[1][0]["no_x"] == (
+        "pipeline step refused before anything ran; rank 0: x must be a batch tensor on the rank "
+        "of the first stage, got NoneType")
     assert m["batch"] == out[1][0]["batch"]  # both ranks refused, both ranks' problems named
     assert ("pipeline step refused before anything ran; rank 0: the batch of 6 (x) does not "
             "split into 4 equal microbatches") in m["batch"]
@@ -251,6 +270,17 @@ def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
     assert "pp: rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
 
 
+def test_pipeline_in_the_kernel_says_where_to_call_it():
+    import torch.distributed as dist
+
+    from nbdist.parallel import pipeline
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="pipeline\\(\\) needs torch.distributed initialised: "
+                       "call it on the ranks, e.g. in %%dist or group.run\\(fn\\)"):
+        pipeline(make_model(), "1f1b", 4, loss_fn=torch.nn.functional.mse_loss)
+
+
 def test_strategy_pp_points_to_the_pipeline_for_training(shared_group):
     def wrap_pp():
         from nbdist import strategies
@@ -265,4 +295,7 @@ def test_strategy_pp_points_to_the_pipeline_for_training(shared_group):
     with pytest.raises(nbdist.RemoteError, match="strategy 'pp' takes the options schedule, "
                        "microbatches, split, stages_per_rank, got chunks"):
         measure(shared_group, mlp, strategies=["pp"], options={"pp": {"chunks": 4}})
+    with pytest.raises(nbdist.RemoteError, match="strategy 'pp' measures fp32 only: keep "
+                       "precision='fp32'"):
+        measure(shared_group, mlp, strategies=["pp"], precision="bf16-mixed")
     assert shared_group.run(lambda: 3) == [3, 3]
