@@ -57,7 +57,10 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
             ``"tp"`` and ``"fsdp2+tp"`` are the same strategy with ``tensor_parallel_size`` the
             world / ``strategies.mesh_sizes("fsdp2+tp", world)["tp"]``: the module applies
             ``nbdist.parallel.tensor_parallel(self, self.device_mesh["tensor_parallel"])`` (and
-            ``fully_shard`` over ``"data_parallel"``) in ``configure_model``.
+            ``fully_shard`` over ``"data_parallel"``) in ``configure_model``. ``"hsdp"`` and
+            ``"pp"`` are refused (``ValueError``): Lightning's mesh is data x tensor parallel only;
+            train them with ``strategies.wrap("hsdp", ...)`` / ``nbdist.parallel.pipeline`` in
+            ``%%dist`` instead.
             ``"deepspeed_stage_1"``, ``"_2"``, ``"_3"`` (or a ``DeepSpeedStrategy`` object) train
             on CPU groups too, through :class:`NbdistDeepSpeedStrategy` (needs DeepSpeed:
             ``pip install nbdist[deepspeed]``); under stage 3 the returned weights are gathered
@@ -87,6 +90,8 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
         name = strategy.lower()
         if any(word in name for word in _SPAWNING):
             raise ValueError(_spawn_message(f"strategy={strategy!r}", world))
+        if name in _NOT_IN_LIGHTNING:
+            raise ValueError(_NOT_IN_LIGHTNING[name].format(strategy=strategy))
         if name.startswith("fsdp") and name not in _MODEL_PARALLEL and group.device == "cpu":
             raise ValueError(f"strategy={strategy!r} is Lightning's FSDPStrategy, which needs "
                              "CUDA; this group runs on CPU. Use strategy='fsdp2' (FSDP2 through "
@@ -147,6 +152,20 @@ def _reform(backend: str, timeout: float) -> None:
 
 
 _MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy
+_LIGHTNING_MESH = ("Lightning's ModelParallelStrategy builds a data_parallel x tensor_parallel mesh "
+                   "only; through fit() nbdist offers strategy='fsdp2', 'tp' and 'fsdp2+tp' on it")
+#: nbdist strategy names that Lightning cannot run, refused by fit() before anything runs
+_NOT_IN_LIGHTNING = {
+    "hsdp": "strategy={strategy!r} (FSDP2 on a dp_replicate x dp_shard mesh) does not train "
+            f"through Lightning: {_LIGHTNING_MESH}. Train HSDP without Lightning: "
+            "model, opt = nbdist.strategies.wrap('hsdp', model, make_optimizer) in a %%dist cell "
+            "(or group.run(fn)), or use strategy='fsdp2' or 'fsdp2+tp' here.",
+    "pp": "strategy={strategy!r} (pipeline parallelism) does not train through Lightning: "
+          f"Lightning has no pipeline strategy ({_LIGHTNING_MESH}). Train a pipeline without "
+          "Lightning: pipe = nbdist.parallel.pipeline(model, '1f1b', microbatches, loss_fn=...) "
+          "and pipe.step(x, y) in a %%dist cell (or group.run(fn)), or use strategy='tp' or "
+          "'fsdp2+tp' here.",
+}
 
 
 def _build_strategy(pl, strategy, backend: str, world_size: int):

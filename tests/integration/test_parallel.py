@@ -1,9 +1,11 @@
 """Meshes and the mesh strategies on real gloo ranks agree with one process (issue 19).
 
-2 ranks: ``tp`` on a Linear stack and on transformer blocks (with and without sequence parallel),
-a plan of one's own, the errors (and the group still usable after each). 4 ranks (one group for
-the class): the mesh picture against torch's process groups, ``fsdp2+tp`` (with SP) and ``hsdp``
-on 2 x 2 meshes. Training uses SGD with momentum (foreach): Adam's update divides by the square
+Each training test compares every parameter's whole gradient at every step with one process on
+the whole batch (1e-5), then the losses and the final weights. 2 ranks: ``tp`` on a Linear stack
+and on transformer blocks (with and without sequence parallel), ``fsdp2+tp`` (dp 1 x tp 2) and
+``hsdp`` (2 x 1 and 1 x 2), a plan of one's own, the errors (and the group still usable after
+each). 4 ranks (one group for the class): the mesh picture against torch's process groups, ``tp``
+over 4, ``fsdp2+tp`` (with SP) and ``hsdp`` on 2 x 2 meshes. Training uses SGD with momentum (foreach): Adam's update divides by the square
 root of the gradient, which turns float noise in a gradient that is zero in exact arithmetic (a
 key bias under softmax) into a full step, so Adam-trained weights drift apart by ~lr.
 """
@@ -56,11 +58,12 @@ def train(name, kind="mlp", steps=3, **options):
     make_opt = functools.partial(torch.optim.SGD, lr=0.05, momentum=0.9, foreach=True)
     wrapped, opt = strategies.wrap(name, model, make_opt, **options)
     ref_opt = make_opt(reference.parameters())
-    losses, ref_losses = [], []
+    losses, ref_losses, grad_errors = [], [], []
     for _ in range(steps):
         opt.zero_grad()
         loss = torch.nn.functional.mse_loss(wrapped(xs), ys)
         loss.backward()
+        grads = full_gradients(wrapped)  # before the step; FSDP/HSDP averaged them over dp
         opt.step()
         losses.append(loss.item())
         ref_opt.zero_grad()
@@ -68,20 +71,38 @@ def train(name, kind="mlp", steps=3, **options):
         ref_loss.backward()
         ref_opt.step()
         ref_losses.append(ref_loss.item())
+        ref_grads = {k: p.grad for k, p in reference.named_parameters()}
+        assert sorted(grads) == sorted(ref_grads), (sorted(grads), sorted(ref_grads))
+        grad_errors.append(max((grads[k] - ref_grads[k]).abs().max().item() for k in ref_grads))
     full = strategies.full_parameters(wrapped)
     expected = dict(reference.named_parameters())
     local = [p.to_local() if isinstance(p, DTensor) else p for p in wrapped.parameters()]
     return dict(losses=losses, ref_losses=ref_losses, dp=dp, names=sorted(full),
+                grad_errors=grad_errors, grad_size=max(p.grad.abs().max().item()
+                                                       for p in reference.parameters()),
                 expected_names=sorted(expected),
                 error=max((full[k] - expected[k]).abs().max().item() for k in expected),
                 local_numel=sum(p.numel() for p in local),
                 total=sum(p.numel() for p in expected.values()))
 
 
+def full_gradients(model):
+    """Every parameter's whole gradient by name (a collective for DTensor ones: all ranks call
+    it). A gradient sharded over ``dp`` was already averaged over it by FSDP2's reduce-scatter
+    (and over ``dp_replicate`` by HSDP's all-reduce), so it is the whole batch's gradient."""
+    from torch.distributed.tensor import DTensor
+
+    return {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+            for k, p in model.named_parameters()}
+
+
 def check(out, shards):
-    """Same weights as one process; the mean of the dp ranks' losses is the full-batch loss."""
+    """Same gradients at every step and same weights as one process; the mean of the dp ranks'
+    losses is the full-batch loss."""
     world = len(out)
     for rank in out:
+        assert max(rank["grad_errors"]) < 1e-5, rank["grad_errors"]
+        assert rank["grad_size"] > 1e-3  # ... and the gradients are not all tiny
         assert rank["names"] == rank["expected_names"]
         assert rank["error"] < 1e-5, rank["error"]
         assert rank["losses"][-1] < rank["losses"][0]
@@ -122,6 +143,15 @@ class TestTwoRanks:
                                               ("block", {"sequence_parallel": True})])
     def test_tp_trains_like_one_process(self, group, kind, options):
         check(group.run(train, "tp", kind, **options), shards=1.1)
+
+    @pytest.mark.parametrize("name,kind,options,shards", [
+        ("fsdp2+tp", "mlp", {"tp": 2}, 1.1),  # dp 1 x tp 2
+        ("fsdp2+tp", "block", {"sequence_parallel": True}, 1.1),  # the default tp=2
+        ("hsdp", "mlp", {}, 1),  # the default: dp_replicate 2 x dp_shard 1, nothing sharded
+        ("hsdp", "block", {"dp_shard": 2}, 2)])  # dp_replicate 1 x dp_shard 2
+    def test_2d_strategies_on_a_degenerate_mesh_train_like_one_process(self, group, name, kind,
+                                                                       options, shards):
+        check(group.run(train, name, kind, **options), shards=shards)
 
     def test_tp_with_a_plan_of_ones_own(self, group):
         from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
@@ -185,6 +215,11 @@ class TestMesh:
         ("hsdp", "mlp", {}), ("hsdp", "block", {"dp_shard": 2})])
     def test_2d_strategies_train_like_one_process(self, group, name, kind, options):
         check(group.run(train, name, kind, **options), shards=2)
+
+    @pytest.mark.parametrize("kind,options", [("mlp", {}), ("block", {}),
+                                              ("block", {"sequence_parallel": True})])
+    def test_tp_on_four_ranks_trains_like_one_process(self, group, kind, options):
+        check(group.run(train, "tp", kind, **options), shards=1.5)
 
     @pytest.mark.parametrize("name,options,text", [
         ("fsdp2+tp", {"tp": 3}, "strategy 'fsdp2+tp': tp=3 does not divide the 4 ranks; valid tp "

@@ -1,5 +1,6 @@
-"""Pipelines on real ranks (2, gloo): losses and weights match one process; bad arguments give
-clear errors on every rank and leave the group usable; a timed step gives a timeline (issue 19)."""
+"""Pipelines on real ranks (2, gloo): losses, the local stages' gradients and weights match one
+process; bad arguments give clear errors on every rank and leave the group usable; a timed step
+gives a timeline (issue 19)."""
 import sys
 
 import cloudpickle
@@ -27,7 +28,8 @@ def batch(n=8, width=16):
 
 
 def train(schedule, microbatches, steps=2, split=None, layers=8):
-    """Train the pipeline and one process side by side; compare loss and the local weights."""
+    """Train the pipeline and one process side by side; compare the loss, the local stages'
+    gradients at every step and their weights at the end."""
     import copy
     import functools
 
@@ -40,20 +42,23 @@ def train(schedule, microbatches, steps=2, split=None, layers=8):
     pipe = pipeline(model, schedule, microbatches, loss_fn=torch.nn.functional.mse_loss,
                     split=split, optimizer_fn=sgd)
     ref_opt = sgd(reference.parameters())
-    losses, ref_losses = [], []
+    held = [i for layers_ in pipe.layers.values() for i in layers_]
+    losses, ref_losses, grad_errors = [], [], []
     for _ in range(steps):
-        losses.append(pipe.step(x, y))
-        ref_opt.zero_grad()
+        losses.append(pipe.step(x, y))  # zero_grad, forward/backward, optimizer.step: the
+        ref_opt.zero_grad()             # local stages' .grad stay those of this step
         loss = torch.nn.functional.mse_loss(reference(x), y)
         loss.backward()
         ref_opt.step()
         ref_losses.append(loss.item())
-    held = [i for layers_ in pipe.layers.values() for i in layers_]
+        grad_errors.append(max((p.grad - q.grad).abs().max().item() for i in held
+                               for p, q in zip(model[i].parameters(), reference[i].parameters())))
     error = max((p - q).abs().max().item() for i in held
                 for p, q in zip(model[i].parameters(), reference[i].parameters()))
     changed = all(not torch.equal(p, q) for i in held
                   for p, q in zip(model[i].parameters(), make_model(layers)[i].parameters()))
     return dict(losses=losses, ref_losses=ref_losses, error=error, held=held, changed=changed,
+                grad_errors=grad_errors,
                 stages=pipe.stages, last=pipe.last,
                 optimizer_params=sum(len(g["params"]) for g in pipe.optimizer.param_groups),
                 local_params=sum(1 for m in pipe.stage_modules for _ in m.parameters()))
@@ -63,6 +68,7 @@ def check_like_one_process(out, layers=8):
     world = len(out)
     assert sorted(i for r in out for i in r["held"]) == list(range(layers))  # every layer once
     for rank, r in enumerate(out):
+        assert max(r["grad_errors"]) < 1e-5, r["grad_errors"]  # the local layers' gradients
         assert r["error"] < 1e-6  # the local stages' weights after 2 SGD steps
         assert r["changed"]  # ... which did train
         assert r["optimizer_params"] == r["local_params"]
@@ -128,6 +134,11 @@ def errors_then_a_good_step():
         "not_sequential": lambda: pipeline(torch.nn.Linear(4, 4), "1f1b", 4, loss_fn=mse),
         "loss_fn": lambda: pipeline(make_model(), "1f1b", 4, loss_fn=None),
         "stage_count": lambda: pipeline([make_model(2)], "gpipe", 2, loss_fn=mse),
+        "split_of_a_list": lambda: pipeline(list(make_model(2)), "gpipe", 2, loss_fn=mse,
+                                            split=[1]),
+        "not_modules": lambda: pipeline([make_model(1), "layer"], "gpipe", 2, loss_fn=mse),
+        "optimizer_fn": lambda: pipeline(make_model(), "1f1b", 4, loss_fn=mse,
+                                         optimizer_fn="sgd"),
     }
     messages = {}
     for key, build in bad.items():
@@ -142,6 +153,10 @@ def errors_then_a_good_step():
     except ValueError as err:
         messages["batch"] = str(err)
     x, y = batch(8)
+    try:
+        pipe.step(None, y)  # the first stage's rank without its inputs
+    except ValueError as err:
+        messages["no_x"] = str(err)
     first = pipe.step(x, y)
     x, y = batch(12)
     try:
@@ -170,6 +185,16 @@ def test_bad_arguments_fail_on_every_rank_and_leave_the_group_usable(shared_grou
                                           "layer count, got Linear. Pass its layers in order")
     assert "loss_fn must be a callable (output, target) -> loss" in m["loss_fn"]
     assert "1 stage modules for 2 stages (2 ranks): pass one module per stage" in m["stage_count"]
+    assert m["split_of_a_list"] == ("ValueError: split= applies to an nn.Sequential; a list of "
+                                    "modules is already one module per stage")
+    assert m["not_modules"] == ("TypeError: a model given as a list must hold one nn.Module per "
+                                "stage")
+    assert m["optimizer_fn"] == ("TypeError: optimizer_fn must build the optimizer from "
+                                 "parameters, e.g. functools.partial(torch.optim.SGD, lr=0.1); "
+                                 "got str")
+    assert m["no_x"] == out[1][0]["no_x"] == (
+        "pipeline step refused before anything ran; rank 0: x must be a batch tensor on the rank "
+        "of the first stage, got NoneType")
     assert m["batch"] == out[1][0]["batch"]  # both ranks refused, both ranks' problems named
     assert ("pipeline step refused before anything ran; rank 0: the batch of 6 (x) does not "
             "split into 4 equal microbatches") in m["batch"]
@@ -245,6 +270,17 @@ def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
     assert "pp: rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
 
 
+def test_pipeline_in_the_kernel_says_where_to_call_it():
+    import torch.distributed as dist
+
+    from nbdist.parallel import pipeline
+
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="pipeline\\(\\) needs torch.distributed initialised: "
+                       "call it on the ranks, e.g. in %%dist or group.run\\(fn\\)"):
+        pipeline(make_model(), "1f1b", 4, loss_fn=torch.nn.functional.mse_loss)
+
+
 def test_strategy_pp_points_to_the_pipeline_for_training(shared_group):
     def wrap_pp():
         from nbdist import strategies
@@ -259,4 +295,7 @@ def test_strategy_pp_points_to_the_pipeline_for_training(shared_group):
     with pytest.raises(nbdist.RemoteError, match="strategy 'pp' takes the options schedule, "
                        "microbatches, split, stages_per_rank, got chunks"):
         measure(shared_group, mlp, strategies=["pp"], options={"pp": {"chunks": 4}})
+    with pytest.raises(nbdist.RemoteError, match="strategy 'pp' measures fp32 only: keep "
+                       "precision='fp32'"):
+        measure(shared_group, mlp, strategies=["pp"], precision="bf16-mixed")
     assert shared_group.run(lambda: 3) == [3, 3]

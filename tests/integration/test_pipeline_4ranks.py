@@ -1,4 +1,5 @@
-"""Pipelines over 4 ranks (one module-scoped group): GPipe and 1F1B match one process (issue 19)."""
+"""Pipelines over 4 ranks (one module-scoped group): GPipe, 1F1B and interleaved match one process
+(losses, each stage's gradients and weights; issue 19)."""
 import sys
 
 import cloudpickle

@@ -21,6 +21,8 @@ BAD = [
     ("dist_mem", "--steps x", "argument --steps: expected a positive int, got 'x'"),
     ("dist_mem", "--steps 0", "argument --steps: expected a positive int, got '0'"),
     ("dist_mem", "--batch 1.5", "argument --batch: expected a positive int, got '1.5'"),
+    ("dist_mem", "--model mlp:2x8 --tp 2", "--tp, --pp, --transformer, --sequence-parallel and "
+     "--microbatches apply to the estimate of a parameter count (e.g. --model 7.5B)"),
     ("dist_bench", "--iters x", "argument --iters: expected a positive int, got 'x'"),
     ("dist_bench", "--iters 0", "argument --iters: expected a positive int, got '0'"),
     ("dist_bench", "--warmup -1", "argument --warmup: expected an int of at least 0, got '-1'"),

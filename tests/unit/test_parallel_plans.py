@@ -184,6 +184,13 @@ def test_auto_plan_names_what_it_cannot_handle(model, sp, text):
     assert "strategies.wrap('tp', model, make_optimizer, plan=plan)" in str(info.value)
 
 
+def test_auto_plan_and_the_block_refuse_bad_arguments():
+    with pytest.raises(TypeError, match=r"auto_plan\(\) takes an nn.Module, got object"):
+        auto_plan(object())
+    with pytest.raises(ValueError, match="dim=10 must be a multiple of n_heads=4"):
+        parallel.TransformerBlock(10, 4)
+
+
 def test_check_plan_names_the_layer_and_its_size():
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 

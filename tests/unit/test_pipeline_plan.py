@@ -74,6 +74,8 @@ def test_merge_refuses_what_is_not_a_timeline_of_the_same_pipeline():
         Timeline.merge([a, Timeline("1f1b", 4, 2, 2)])
     with pytest.raises(ValueError, match="this timeline has no events"):
         Timeline("1f1b", 4, 2, 2).bubble()
+    with pytest.raises(ValueError, match="Timeline.merge\\(\\) needs at least one Timeline"):
+        Timeline.merge([None, None])  # ranks that returned nothing
 
 
 def test_gantt_chart_draws_a_bar_per_forward_and_backward():
