@@ -168,11 +168,16 @@ def test_errors_come_before_anything_runs_and_leave_the_group_usable(g, nb, monk
     with pytest.raises(nbdist.RemoteError, match="boom in a ZeRO-3 training_step"):
         nl.fit(g, nb["Failing"], nb["make_data"], "deepspeed_stage_3", max_epochs=1,
                enable_checkpointing=False, **QUIET)
+    lightnings = pl.strategies.DeepSpeedStrategy(stage=2)  # made while DeepSpeed is there
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
         with pytest.raises(ImportError, match="strategy='deepspeed_stage_3' needs DeepSpeed, an "
                                               "optional extra: pip install nbdist\\[deepspeed\\]"):
             nl.fit(g, nb["Toy"], nb["make_data"], "deepspeed_stage_3")
+        with pytest.raises(ImportError, match="^DeepSpeedStrategy needs DeepSpeed, an optional "
+                                              "extra: pip install nbdist\\[deepspeed\\] .*"
+                                              "Without it, strategy='fsdp2' shards like ZeRO-3"):
+            nl.fit(g, nb["Toy"], nb["make_data"], lightnings)
         with pytest.raises(ImportError, match="reading a DeepSpeed checkpoint needs DeepSpeed"):
             nl.load_zero_checkpoint("nowhere")
     assert g.run(lambda: torch.distributed.get_backend()) == ["gloo", "gloo"]
