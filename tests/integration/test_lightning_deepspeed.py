@@ -197,14 +197,17 @@ def test_another_process_group_backend_for_the_fit_then_back(g, nb, tmp_path, ca
     fit_and_compare(g, nb, "deepspeed_stage_2", tmp_path / "gloo")  # and back on gloo
 
 
-@pytest.mark.timeout(240)
-def test_stage_3_on_four_ranks(nb, tmp_path):
+@pytest.mark.timeout(360)
+def test_each_stage_on_four_ranks(nb, tmp_path):
+    # one group of 4 for the three stages, by name and (stage 3) as a strategy object
     start = time.monotonic()
     with nbdist.start(4, backend="gloo", device="cpu", timeout=90) as group:
         nl.prepare(group)
         group.exec(SOURCE)
-        fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path, world=4)
-    assert time.monotonic() - start < 200
+        for stage in (1, 2):
+            fit_and_compare(group, nb, f"deepspeed_stage_{stage}", tmp_path / str(stage), world=4)
+        fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path / "3", world=4)
+    assert time.monotonic() - start < 300
 
 
 def test_bf16_mixed_trains_close_to_fp32(g, nb):
