@@ -237,6 +237,32 @@ def test_memory_says_where_deepspeed_holds_more_than_the_formula(report):
     assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
 
 
+def test_memory_side_by_side_with_torchs_zero_in_one_table_and_plot(shared_group):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    names = ["zero1", "deepspeed_zero1", "fsdp", "deepspeed_zero3"]
+    rep = memory.measure(shared_group, SMALL, names, optimizer="adam", steps=2, batch=8)
+    assert [(r.strategy, r.rank) for r in rep] == [(n, k) for n in names for k in (0, 1)]
+    for r in rep:  # torch and DeepSpeed at one stage: the same formula, the same estimate
+        stage = "ZeRO-1" if r.strategy.endswith("zero1") else "ZeRO-3"
+        assert r.formula.startswith(stage + ": ") and r.world_size == 2, (r.strategy, r.formula)
+        assert r.estimate == memory.estimate(PSI, 2, r.strategy).total
+        assert r.estimate == memory.estimate(PSI, 2, "zero1" if stage == "ZeRO-1" else "fsdp").total
+    for name in ("zero1", "deepspeed_zero1", "fsdp"):
+        assert all(abs(r.diff) < 0.02 for r in by(rep, name)), name
+    assert all(r.diff > 0.2 for r in by(rep, "deepspeed_zero3"))  # the bucket, explained
+    table = rep.table()
+    for name in names:
+        assert sum(line.split()[:1] == [name] for line in table.splitlines()) == 2, name
+    assert "deepspeed_zero1: DeepSpeed keeps an fp32 master copy" in table
+    assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
+    ax = rep.plot()
+    assert isinstance(ax.figure, matplotlib.figure.Figure)
+    assert len(ax.patches) == 4 * len(rep) and len(ax.collections) == len(rep)
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == names
+    matplotlib.pyplot.close("all")
+
+
 def test_memory_in_bf16_matches_the_mixed_precision_formula(shared_group):
     rep = memory.measure(shared_group, SMALL, ["deepspeed_zero2", "deepspeed_zero3"],
                          precision="bf16-mixed")
