@@ -189,13 +189,19 @@ CYCLES = 20  # as the issue asks; ~4.7 s each here (fresh ranks import DeepSpeed
 
 @pytest.mark.timeout(480)
 def test_repeated_stage3_runs_then_stop_leave_no_process_and_no_abort():
-    lines = []
+    lines, exits = [], []
     for _ in range(CYCLES):
         with nbdist.start(2, backend="gloo", device="cpu", timeout=60,
                           output=lambda rank, stream, text: lines.append(text)) as g:
             pids = g.run(stage3_run)
+        # How each rank ended, as the group reaped it at stop(): 0 is a clean exit after the stop
+        # message; SIGABRT would be -6, and a straggler killed after stop()'s 2 s wait -9.
+        ranks = g.status().ranks
+        assert [r.pid for r in ranks] == pids
+        exits.append([(r.state, r.exitcode) for r in ranks])
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                        for p in pids)
+    assert exits == [[("stopped", 0), ("stopped", 0)]] * CYCLES
     assert not [line for line in lines if "terminate called" in line or "Abort" in line]
 
 
