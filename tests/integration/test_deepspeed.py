@@ -146,7 +146,9 @@ def test_missing_deepspeed_names_the_extra(monkeypatch):
     monkeypatch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
     with pytest.raises(ImportError) as info:
         strategies.wrap("deepspeed_zero2", torch.nn.Linear(2, 2), torch.optim.SGD)
-    assert "pip install nbdist[deepspeed]" in str(info.value)
+    assert str(info.value).startswith("the deepspeed_zero* strategies need DeepSpeed, an optional "
+                                      "extra: pip install nbdist[deepspeed]")
+    assert "'zero1', 'fsdp_grad_op' and 'fsdp' shard the same way without it" in str(info.value)
 
 
 def without_compiler():
@@ -187,13 +189,19 @@ CYCLES = 20  # as the issue asks; ~4.7 s each here (fresh ranks import DeepSpeed
 
 @pytest.mark.timeout(480)
 def test_repeated_stage3_runs_then_stop_leave_no_process_and_no_abort():
-    lines = []
+    lines, exits = [], []
     for _ in range(CYCLES):
         with nbdist.start(2, backend="gloo", device="cpu", timeout=60,
                           output=lambda rank, stream, text: lines.append(text)) as g:
             pids = g.run(stage3_run)
+        # How each rank ended, as the group reaped it at stop(): 0 is a clean exit after the stop
+        # message; SIGABRT would be -6, and a straggler killed after stop()'s 2 s wait -9.
+        ranks = g.status().ranks
+        assert [r.pid for r in ranks] == pids
+        exits.append([(r.state, r.exitcode) for r in ranks])
         assert not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                        for p in pids)
+    assert exits == [[("stopped", 0), ("stopped", 0)]] * CYCLES
     assert not [line for line in lines if "terminate called" in line or "Abort" in line]
 
 
@@ -233,6 +241,32 @@ def test_memory_says_where_deepspeed_holds_more_than_the_formula(report):
         assert any("differs from the ZeRO-3 formula by +25.0%" in n for n in r.notes)
     table = report.table()
     assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
+
+
+def test_memory_side_by_side_with_torchs_zero_in_one_table_and_plot(shared_group):
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    names = ["zero1", "deepspeed_zero1", "fsdp", "deepspeed_zero3"]
+    rep = memory.measure(shared_group, SMALL, names, optimizer="adam", steps=2, batch=8)
+    assert [(r.strategy, r.rank) for r in rep] == [(n, k) for n in names for k in (0, 1)]
+    for r in rep:  # torch and DeepSpeed at one stage: the same formula, the same estimate
+        stage = "ZeRO-1" if r.strategy.endswith("zero1") else "ZeRO-3"
+        assert r.formula.startswith(stage + ": ") and r.world_size == 2, (r.strategy, r.formula)
+        assert r.estimate == memory.estimate(PSI, 2, r.strategy).total
+        assert r.estimate == memory.estimate(PSI, 2, "zero1" if stage == "ZeRO-1" else "fsdp").total
+    for name in ("zero1", "deepspeed_zero1", "fsdp"):
+        assert all(abs(r.diff) < 0.02 for r in by(rep, name)), name
+    assert all(r.diff > 0.2 for r in by(rep, "deepspeed_zero3"))  # the bucket, explained
+    table = rep.table()
+    for name in names:
+        assert sum(line.split()[:1] == [name] for line in table.splitlines()) == 2, name
+    assert "deepspeed_zero1: DeepSpeed keeps an fp32 master copy" in table
+    assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
+    ax = rep.plot()
+    assert isinstance(ax.figure, matplotlib.figure.Figure)
+    assert len(ax.patches) == 4 * len(rep) and len(ax.collections) == len(rep)
+    assert [t.get_text().split("\n")[0] for t in ax.get_xticklabels()] == names
+    matplotlib.pyplot.close("all")
 
 
 def test_memory_in_bf16_matches_the_mixed_precision_formula(shared_group):

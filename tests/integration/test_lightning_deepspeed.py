@@ -168,11 +168,16 @@ def test_errors_come_before_anything_runs_and_leave_the_group_usable(g, nb, monk
     with pytest.raises(nbdist.RemoteError, match="boom in a ZeRO-3 training_step"):
         nl.fit(g, nb["Failing"], nb["make_data"], "deepspeed_stage_3", max_epochs=1,
                enable_checkpointing=False, **QUIET)
+    lightnings = pl.strategies.DeepSpeedStrategy(stage=2)  # made while DeepSpeed is there
     with monkeypatch.context() as patch:
         patch.setitem(sys.modules, "deepspeed", None)  # as if it were not installed
         with pytest.raises(ImportError, match="strategy='deepspeed_stage_3' needs DeepSpeed, an "
                                               "optional extra: pip install nbdist\\[deepspeed\\]"):
             nl.fit(g, nb["Toy"], nb["make_data"], "deepspeed_stage_3")
+        with pytest.raises(ImportError, match="^DeepSpeedStrategy needs DeepSpeed, an optional "
+                                              "extra: pip install nbdist\\[deepspeed\\] .*"
+                                              "Without it, strategy='fsdp2' shards like ZeRO-3"):
+            nl.fit(g, nb["Toy"], nb["make_data"], lightnings)
         with pytest.raises(ImportError, match="reading a DeepSpeed checkpoint needs DeepSpeed"):
             nl.load_zero_checkpoint("nowhere")
     assert g.run(lambda: torch.distributed.get_backend()) == ["gloo", "gloo"]
@@ -192,14 +197,17 @@ def test_another_process_group_backend_for_the_fit_then_back(g, nb, tmp_path, ca
     fit_and_compare(g, nb, "deepspeed_stage_2", tmp_path / "gloo")  # and back on gloo
 
 
-@pytest.mark.timeout(240)
-def test_stage_3_on_four_ranks(nb, tmp_path):
+@pytest.mark.timeout(360)
+def test_each_stage_on_four_ranks(nb, tmp_path):
+    # one group of 4 for the three stages, by name and (stage 3) as a strategy object
     start = time.monotonic()
     with nbdist.start(4, backend="gloo", device="cpu", timeout=90) as group:
         nl.prepare(group)
         group.exec(SOURCE)
-        fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path, world=4)
-    assert time.monotonic() - start < 200
+        for stage in (1, 2):
+            fit_and_compare(group, nb, f"deepspeed_stage_{stage}", tmp_path / str(stage), world=4)
+        fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path / "3", world=4)
+    assert time.monotonic() - start < 300
 
 
 def test_bf16_mixed_trains_close_to_fp32(g, nb):

@@ -15,6 +15,20 @@ def test_dist_mem_measures_on_the_current_group(shell, dist_group):
     assert any("image/png" in o.data for o in cap.outputs)
 
 
+def test_dist_mem_puts_deepspeed_next_to_torchs_zero(shell, dist_group):
+    pytest.importorskip("deepspeed")
+    with capture_output() as cap:
+        shell.run_line_magic("dist_mem", "--model mlp:2x64 --strategies zero1,deepspeed_zero1 "
+                                         "--steps 1 --batch 4")
+    text, html = cap.outputs[0].data["text/plain"], cap.outputs[0].data["text/html"]
+    rows = [line.split()[0] for line in text.splitlines() if line.split()[:1] in
+            (["zero1"], ["deepspeed_zero1"])]
+    assert rows == ["zero1", "zero1", "deepspeed_zero1", "deepspeed_zero1"]  # a row per rank
+    assert "deepspeed_zero1: DeepSpeed keeps an fp32 master copy of this rank's partition" in text
+    assert "DeepSpeed keeps an fp32 master copy" in html
+    assert any("image/png" in o.data for o in cap.outputs)
+
+
 def test_dist_mem_with_a_parameter_count_only_estimates(shell, no_group):
     with capture_output() as cap:
         shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,fsdp --world-sizes 64")

@@ -298,6 +298,23 @@ def test_memory_panel_measures_and_estimates(shared_group, panels):
     assert 3 in mp._controls["world_size"].options and "N=3" in mp._estimate_table.value
 
 
+@pytest.mark.timeout(180)
+def test_memory_panel_measures_deepspeed(shared_group, panels):
+    pytest.importorskip("deepspeed")
+    mp = panels(memory_panel, shared_group, model="mlp:2x64")
+    assert "deepspeed_zero3" in [value for _, value in mp._controls["strategies"].options]
+    mp._controls["strategies"].value = ("deepspeed_zero3",)  # as a click in the list would
+    mp.run_button.click()
+    assert mp.error == "" and mp.progress.value == mp.progress.max == 1
+    psi = 2 * (64 * 64 + 64)
+    for r in mp.report:  # each rank holds half of the fp32 parameters and gradients
+        assert (r.strategy, r.params, r.grads) == ("deepspeed_zero3", 2 * psi, 2 * psi)
+    assert [r.rank for r in mp.report] == [0, 1]
+    assert bytes(mp._bars.value).startswith(PNG) and "deepspeed_zero3" in mp._report_table.value
+    assert "DeepSpeed keeps an fp32 master copy" in mp._report_table.value
+    assert "deepspeed_zero3" in mp._estimate_table.value  # and the slider's estimate
+
+
 @pytest.mark.timeout(60)
 def test_memory_panel_inputs(panels):
     def make_model():

@@ -42,3 +42,30 @@ def test_merge_replaces_what_is_not_a_dict():
 def test_conflicts_are_refused(options, text):
     with pytest.raises(ValueError, match=text):
         deepspeed.build_config(1, torch.nn.Linear(2, 2), "fp32", options)
+
+
+class NoHalf:
+    """An accelerator as DeepSpeed's would answer on a machine without fp16 or bf16 (a stub:
+    this checks nbdist's own precision check, not DeepSpeed)."""
+
+    def device_name(self):
+        return "cpu"
+
+    def is_fp16_supported(self):
+        return False
+
+    def is_bf16_supported(self):
+        return False
+
+
+@pytest.mark.parametrize("key,text", [
+    ("bf16", "bf16 does not work here: DeepSpeed's cpu accelerator has no bf16 support. "
+     "Use precision='fp32' instead"),
+    ("fp16", "fp16 does not work here: DeepSpeed's cpu accelerator has no fp16 support. "
+     "Use precision='bf16-mixed' instead"),
+])
+def test_a_precision_the_accelerator_lacks_is_refused(key, text):
+    with pytest.raises(ValueError) as info:
+        deepspeed._check_precision({key: {"enabled": True}}, NoHalf())
+    assert str(info.value) == text
+    deepspeed._check_precision({key: {"enabled": False}}, NoHalf())  # fp32: nothing to refuse
