@@ -11,6 +11,7 @@ import pytest
 from IPython.testing import globalipapp
 from IPython.testing.globalipapp import start_ipython
 
+import nbdist
 from nbdist.lightning import warmup as warm
 from nbdist.ui import magics
 
@@ -60,3 +61,26 @@ def autodist_off(request):
         for instance in request.getfixturevalue("shell").magics_manager.registry.values():
             if isinstance(instance, magics.DistMagics):
                 instance.autodist_off()
+
+
+@pytest.fixture
+def panels(request):
+    """Make panels through ``panels(factory, ...)``; after the test they are closed and a group
+    the test left current is stopped (the module's shared group excepted)."""
+    made = []
+    nbdist.use_group(None)
+
+    def make(factory, *args, **kwargs):
+        panel = factory(*args, **kwargs)
+        made.append(panel)
+        return panel
+
+    yield make
+    for panel in made:
+        panel.close()
+    shared = (request.getfixturevalue("shared_group") if "shared_group" in request.fixturenames
+              else None)
+    group = nbdist.current_group()
+    if group is not None and group is not shared:
+        group.stop()
+    nbdist.use_group(None)
