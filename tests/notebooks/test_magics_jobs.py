@@ -1,5 +1,5 @@
-"""%%dist --bg, %dist_jobs, %dist_wait (and its progress bar) and the live view's Interrupt button and
-redraw cadence, through a real IPython shell and real ranks (issue 17)."""
+"""%%dist --bg, %dist_jobs, %dist_wait (and its progress bar), the live view's Interrupt button
+and its redraw cadence, through a real IPython shell and real ranks (issue 17)."""
 import time
 
 import pytest
