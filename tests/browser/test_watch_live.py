@@ -1,6 +1,6 @@
 """The live view in JupyterLab, in headless Chromium (issue 17): run tutorial 8, see the figure of
 a background job change between two screenshots while it runs, the notebook answer meanwhile, and
-the job's output stay under the cell that started it.
+the job's output stay under the cell that started it and appear under no other cell.
 
 The tutorial's job (120 steps) can end here within a couple of seconds of the view's first figure
 -- about one redraw, as a figure takes 0.6-1.2 s to render on this machine -- so the test's copy
@@ -28,6 +28,9 @@ ALL_RAN = """() => {
     const prompts = [...document.querySelectorAll('.jp-Notebook .jp-CodeCell .jp-InputPrompt')];
     return prompts.length > 0 && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
 }"""
+
+OUTPUTS = """() => [...document.querySelectorAll('.jp-Notebook .jp-Cell')].map(c =>
+    [...c.querySelectorAll('.jp-OutputArea-output')].map(o => o.textContent).join('\\n'))"""
 
 FIGURE_SRC = """(index) => {
     const cell = document.querySelectorAll('.jp-Notebook .jp-Cell')[index];
@@ -81,6 +84,11 @@ def test_the_live_view_changes_while_the_job_runs(jupyterlab, page, artifacts):
     # both ranks print it: shown once, labelled with both (quiet ranks), or once per rank
     assert ("[ranks 0, 1] first step done" in bg_text
             or "[rank 0] first step done" in bg_text and "[rank 1] first step done" in bg_text)
+    # ... and only there: not under the cells that ran while the job printed (the live view,
+    # "the kernel is free", %dist_jobs, %dist_wait) nor anywhere else
+    outputs = page.evaluate(OUTPUTS)
+    elsewhere = [i for i, text in enumerate(outputs) if i != bg and "first step done" in text]
+    assert elsewhere == [], [outputs[i] for i in elsewhere]
     free = page.locator(".jp-Notebook .jp-Cell").nth(_index(page, "print(\"the kernel is free:\""))
     assert "the kernel is free: 45" in free.text_content()
     status = cell.locator(".nbdist-watch-status").text_content()

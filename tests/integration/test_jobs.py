@@ -204,3 +204,41 @@ def test_step_breakdown_and_the_straggler_is_named(group):
     slow = job.metrics.stragglers()
     assert list(slow) == [1] and slow[1] >= 1.25
     assert "straggler: rank 1 (compute" in job.describe()
+
+
+def _on_this_rank(n):
+    import os
+
+    import torch.distributed as dist
+
+    import nbdist
+
+    rank = dist.get_rank()
+    for i in range(n):
+        nbdist.log(step=i, x=float(rank))
+    print(f"ran on {rank}")
+    return rank, os.getpid()
+
+
+def test_a_job_on_some_ranks_runs_there_only_and_returns_their_values(group):
+    pids = group.run(os.getpid)
+    job = group.submit(_on_this_rank, 3, ranks=[1])
+    assert job.result(timeout=30) == [(1, pids[1])]  # one value: rank 1's
+    assert {r["rank"] for r in job.metrics} == {1} and len(job.metrics) == 3
+    assert job.output.get(0, []) == [] and job.output[1] == ["ran on 1"]
+    assert group.state == "ready" and group.run(lambda: 6) == [6, 6]
+
+
+def test_elapsed_grows_while_the_job_runs_and_stops_when_it_ends(group):
+    job = group.submit(time.sleep, 2.0)
+    first = job.elapsed
+    time.sleep(0.3)
+    second = job.elapsed
+    assert job.running(), "the job ended too soon to see its time grow"
+    assert 0 <= first < second
+    assert job.wait(30)
+    final = job.elapsed
+    assert final >= 2.0  # the job started (kernel side) before the ranks slept 2 s
+    assert final == job.ended - job.started
+    time.sleep(0.3)
+    assert job.elapsed == final

@@ -1,6 +1,7 @@
 """Background jobs in a real Jupyter kernel (nbclient): a background cell, other cells run while
 it trains, metrics grow, a busy error, an interrupt, and a kernel shut down with a job running
-leaves no process behind (issue 17)."""
+leaves no process behind; so does a kernel restart, and the new kernel starts groups again
+(issue 17)."""
 from __future__ import annotations
 
 import time
@@ -124,12 +125,13 @@ def _kernel():
     return manager, client
 
 
-def _group_with_a_job(client):
-    """Start a group and the 'train' background job in the kernel; return the ranks' pids."""
+def _group_with_a_job(client, train=CELLS["train"]):
+    """Start a group and the ``train`` cell (a background job) in the kernel; return the ranks'
+    pids."""
     reply, text = _stdout(client, CELLS["start"])
     assert reply["status"] == "ok", reply
     pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
-    reply, _ = _stdout(client, CELLS["train"])
+    reply, _ = _stdout(client, train)
     assert reply["status"] == "ok", reply
     return pids
 
@@ -197,3 +199,68 @@ def test_kernel_death_with_a_job_running_leaves_no_process():
     alive = _gone_within(family, 15)
     manager.cleanup_resources()
     assert alive == [], f"processes left after the kernel died: {alive}"
+
+
+#: the job's ranks sit in a collective: rank 0 sleeps, rank 1 waits for it in an all_reduce, so
+#: stopping the group must kill rank 1 (SIGINT cannot end a collective)
+STUCK = ("%%dist --bg stuck\nimport time\nprint('in', rank)\n"
+         "if rank == 0:\n    time.sleep(600)\nt = torch.ones(1); dist.all_reduce(t)")
+
+AFTER_RESTART = ("%load_ext nbdist\n%dist_start -n 2\nimport nbdist\n"
+                 "pids = [r.pid for r in nbdist.current_group().status().ranks]\nprint(pids)")
+
+
+def _restart_with_a_job_running(train, shutdown_wait_time=None):
+    """Start a group and the ``train`` job, restart the kernel as the notebook's restart button
+    does (a shutdown request, then a new kernel): no rank of the old kernel is left, and the new
+    kernel loads nbdist, starts a group, runs a cell on it and stops it, leaving nothing either.
+    Returns the old kernel's exit code."""
+    manager, client = _kernel()
+    if shutdown_wait_time is not None:
+        manager.shutdown_wait_time = shutdown_wait_time
+    new_pids = []
+    try:
+        pids = _group_with_a_job(client, train)
+        reply, text = _stdout(client, "time.sleep(1.0)\nprint(nbdist.current_group().job.state)")
+        assert text.strip() == "running", (reply, text)
+        old = manager.provisioner.process  # the old kernel's Popen
+        client.stop_channels()
+        manager.restart_kernel(now=False)
+        assert old.poll() is not None
+        alive = _gone_within(pids, 30)
+        assert alive == [], f"workers left after the kernel restarted: {alive}"
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=60)
+        reply, text = _stdout(client, AFTER_RESTART, timeout=120)
+        assert reply["status"] == "ok", (reply, text)
+        new_pids = eval(text.strip().splitlines()[-1])  # noqa: S307 -- our own output
+        assert len(new_pids) == 2 and not set(new_pids) & set(pids)
+        reply, text = _stdout(client, "%%dist\nt = torch.ones(1) * (rank + 1); dist.all_reduce(t)\n"
+                                      "print('sum', int(t.item()))")
+        assert reply["status"] == "ok" and "sum 3" in text, (reply, text)
+        reply, text = _stdout(client, "%dist_stop")
+        assert reply["status"] == "ok", (reply, text)
+        alive = _gone_within(new_pids, 30)
+        assert alive == [], f"workers left after %dist_stop in the new kernel: {alive}"
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+    assert _gone_within(new_pids, 15) == []
+    return old.returncode
+
+
+@pytest.mark.timeout(300)
+def test_kernel_restart_with_a_job_running_leaves_no_process_and_the_new_kernel_works():
+    """jupyter_client's default wait (5 s): the kernel is usually SIGTERMed before it ends on its
+    own (ipykernel spends up to ~29 s signalling its children, the forkserver among them, while
+    they stay zombies), so the ranks end through their watchdog; either way none is left."""
+    _restart_with_a_job_running(CELLS["train"])
+
+
+@pytest.mark.timeout(300)
+def test_kernel_restart_with_the_jobs_ranks_in_a_collective():
+    """Rank 1 waits in an all_reduce for rank 0, which sleeps; the restart gives the kernel time
+    to end on its own, so its exit (nbdist.stop_all) interrupts the job and must kill rank 1."""
+    code = _restart_with_a_job_running(STUCK, shutdown_wait_time=120.0)
+    assert code == 0, f"the kernel did not exit on its own (exit code {code})"

@@ -1,4 +1,5 @@
-"""%%dist --bg, %dist_jobs and %dist_wait through a real IPython shell and real ranks (issue 17)."""
+"""%%dist --bg, %dist_jobs, %dist_wait (and its progress bar), the live view's Interrupt button
+and its redraw cadence, through a real IPython shell and real ranks (issue 17)."""
 import time
 
 import pytest
@@ -78,3 +79,67 @@ def test_no_jobs_yet(shell, dist_group, monkeypatch):
     with pytest.raises(UsageError, match="no background job was started"):
         shell.run_line_magic("dist_wait", "")
     time.sleep(0)
+
+
+def test_wait_shows_a_progress_bar_of_the_logged_steps(shell, dist_group):
+    """tqdm (the console bar in this shell, on stderr) counts the slowest rank's steps."""
+    import re
+
+    shell.run_cell_magic("dist", "--bg stepping -q", "import time, nbdist\nfor i in range(40):\n"
+                         "    nbdist.log(step=i, loss=1.0)\n    time.sleep(0.05)")
+    with capture_output() as out:
+        shell.run_line_magic("dist_wait", "-q stepping")
+    counts = [int(n) for n in re.findall(r"job stepping: (\d+)step", out.stderr)]
+    assert counts and max(counts) > 0 and max(counts) <= 40, out.stderr
+    assert counts == sorted(counts)  # it only moves forward
+
+
+SPIN = ("import time, nbdist\nfor i in range(10**6):\n    nbdist.log(step=i, x=i)\n"
+        "    time.sleep(0.01)")
+
+
+def test_the_live_views_interrupt_button_interrupts_the_job(shell, dist_group):
+    from nbdist.ui import live
+
+    job = shell.run_cell_magic("dist", "--bg spinning -q", SPIN)
+    with capture_output():
+        view = live.watch(job)
+    assert not view.button.disabled and job.running()
+    view.button.click()  # what a click in the notebook does
+    assert job.wait(30), "the Interrupt button did not stop the job"
+    assert job.state == "interrupted"
+    with pytest.raises(nbdist.GroupInterrupted):
+        job.result()
+    view.join(30)
+    assert view.button.disabled  # the view's last redraw disables it
+    if dist_group.state == "broken":  # a rank was inside a collective of the runtime
+        dist_group.restart()
+    assert dist_group.run(lambda: 5) == [5, 5]
+
+
+def test_the_live_view_redraws_at_most_every_half_second(shell, dist_group, monkeypatch):
+    """The ranks log 2 scalars every millisecond or so for 3 s; the drawing is made cheap, so only
+    the view's cadence limits its redraws: no more than one per 0.5 s (+2: the first figure and
+    the last one)."""
+    from nbdist.ui import live
+
+    drawn = []
+
+    def cheap(view):
+        drawn.append(time.monotonic())
+        return {"text/plain": f"{len(view.job.metrics)} rows"}
+
+    monkeypatch.setattr(live.Watch, "_figure_bundle", cheap)
+    t0 = time.monotonic()
+    job = shell.run_cell_magic("dist", "--bg fast -q", "import time, nbdist\n"
+                               "end = time.monotonic() + 3.0\ni = 0\n"
+                               "while time.monotonic() < end:\n"
+                               "    nbdist.log(step=i, a=i, b=-i); i += 1\n    time.sleep(0.001)")
+    with capture_output():
+        view = live.watch(job)
+        assert job.wait(60)
+        view.join(30)
+    elapsed = time.monotonic() - t0
+    assert job.state == "done" and len(job.metrics) > 1000  # fast logging indeed
+    assert 2 <= view.redraws <= elapsed / live.MIN_EVERY + 2, (view.redraws, elapsed)
+    assert len(drawn) <= elapsed / live.MIN_EVERY + 2, (len(drawn), elapsed)
