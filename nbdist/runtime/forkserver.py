@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import types
 from typing import Optional
 
@@ -83,6 +84,63 @@ def prewarm(background: bool = True) -> Optional[threading.Thread]:
     thread = threading.Thread(target=run, name="nbdist-prewarm", daemon=True)
     thread.start()
     return thread
+
+
+def close_helpers(wait: float = 2.0) -> None:
+    """End this process's forkserver and resource tracker (multiprocessing's helpers, which
+    nbdist's start method starts) and reap them. For a kernel about to shut down: ipykernel ends
+    every child left in its process group before it exits, and a helper it has to signal (the
+    tracker ignores SIGTERM) or one it cannot reap holds the shutdown for ~30 s, long enough for
+    Jupyter to kill the kernel before its own exit handlers (which stop the groups) run. Call it
+    after the groups are stopped; a later group starts the helpers again."""
+    if os.name != "posix":
+        return
+    from multiprocessing import forkserver, resource_tracker
+
+    try:
+        _close(forkserver._forkserver, resource_tracker._resource_tracker, wait)
+    except AttributeError:  # another Python's internals: leave them to ipykernel
+        pass
+
+
+def _close(server, tracker, wait: float) -> None:
+    with server._lock:
+        pid, server._forkserver_pid = server._forkserver_pid, None
+        if pid is not None:  # it holds nothing: SIGTERM spares its slow exit (torch is loaded)
+            with contextlib.suppress(OSError):
+                os.close(server._forkserver_alive_fd)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            with contextlib.suppress(OSError):
+                os.unlink(server._forkserver_address)
+            server._forkserver_alive_fd = server._forkserver_address = None
+            _reap(pid, wait)
+    with tracker._lock:
+        pid, fd, tracker._pid, tracker._fd = tracker._pid, tracker._fd, None, None
+        if fd is not None:  # it exits once every copy of its pipe is closed
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        if pid is not None:
+            _reap(pid, wait)
+
+
+def _reap(pid: int, wait: float) -> None:
+    """Wait up to ``wait`` s for child ``pid`` to exit, then kill it; reap it either way."""
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            done, _ = os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not ours, or reaped already
+            return
+        if done:
+            return
+        if time.monotonic() > deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+            return
+        time.sleep(0.01)
 
 
 @contextlib.contextmanager

@@ -252,15 +252,19 @@ def _restart_with_a_job_running(train, shutdown_wait_time=None):
 
 @pytest.mark.timeout(300)
 def test_kernel_restart_with_a_job_running_leaves_no_process_and_the_new_kernel_works():
-    """jupyter_client's default wait (5 s): the kernel is usually SIGTERMed before it ends on its
-    own (ipykernel spends up to ~29 s signalling its children, the forkserver among them, while
-    they stay zombies), so the ranks end through their watchdog; either way none is left."""
+    """jupyter_client's default wait (5 s; SIGTERM after half of it). A shutdown request first
+    stops nbdist's groups and ends its forkserver and resource tracker (the hook %load_ext puts on
+    the kernel's do_shutdown), so ipykernel has no child left to wait for; should a loaded machine
+    still make the kernel miss the deadline, the ranks end through their watchdog. Either way
+    none is left."""
     _restart_with_a_job_running(CELLS["train"])
 
 
 @pytest.mark.timeout(300)
 def test_kernel_restart_with_the_jobs_ranks_in_a_collective():
-    """Rank 1 waits in an all_reduce for rank 0, which sleeps; the restart gives the kernel time
-    to end on its own, so its exit (nbdist.stop_all) interrupts the job and must kill rank 1."""
-    code = _restart_with_a_job_running(STUCK, shutdown_wait_time=120.0)
+    """Rank 1 waits in an all_reduce for rank 0, which sleeps: stopping the group interrupts the
+    job and must kill rank 1. With 20 s to exit (SIGTERM after 10 s) the kernel ends on its own
+    (exit code 0): without the shutdown hook, ipykernel spent ~29 s signalling nbdist's forkserver
+    and resource tracker (the tracker ignores SIGTERM; both stayed zombies) and was SIGTERMed."""
+    code = _restart_with_a_job_running(STUCK, shutdown_wait_time=20.0)
     assert code == 0, f"the kernel did not exit on its own (exit code {code})"

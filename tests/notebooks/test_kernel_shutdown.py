@@ -79,3 +79,35 @@ def test_stopping_the_kernel_right_after_load_ext_prints_no_traceback(tmp_path, 
     assert "Traceback" not in text, text
     if how == "shutdown":
         assert "KeyboardInterrupt" not in text, text
+
+
+def test_the_shutdown_hook_stops_groups_first_and_never_blocks_the_shutdown(capfd, monkeypatch):
+    """The wrapper %load_ext puts on ipykernel's do_shutdown (a real kernel's restart runs it:
+    test_jobs_notebook.py): nbdist's groups stop and its helper processes end first; if that
+    fails, the kernel still shuts down and its log says why."""
+    import nbdist.ui.magics as magics
+
+    calls = []
+
+    class Kernel:  # what the hook needs of ipykernel's kernel: its do_shutdown
+        def do_shutdown(self, restart):
+            calls.append(("kernel", restart))
+            return {"status": "ok", "restart": restart}
+
+    kernel = Kernel()
+    kernel.do_shutdown = magics._stopping_first(kernel.do_shutdown)
+    wrapped = kernel.do_shutdown
+    monkeypatch.setattr(magics, "stop_all", lambda: calls.append("stop_all"))
+    monkeypatch.setattr(magics, "close_helpers", lambda: calls.append("close_helpers"))
+    assert wrapped(True) == {"status": "ok", "restart": True}
+    assert calls == ["stop_all", "close_helpers", ("kernel", True)]
+
+    def failing():
+        raise RuntimeError("a rank would not stop")
+
+    monkeypatch.setattr(magics, "stop_all", failing)
+    calls.clear()
+    assert wrapped(False) == {"status": "ok", "restart": False}
+    assert calls == [("kernel", False)]
+    assert ("nbdist: stopping the groups before the kernel's shutdown failed: "
+            "RuntimeError('a rank would not stop')") in capfd.readouterr().err

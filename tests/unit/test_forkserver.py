@@ -124,3 +124,31 @@ def test_importing_the_preload_elsewhere_changes_no_signal_handling():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100,
                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert out.stdout.strip() == "ok", out.stderr
+
+
+CLOSE_HELPERS = """
+import json, os, psutil, nbdist
+from multiprocessing import forkserver, resource_tracker
+from nbdist.runtime.forkserver import close_helpers
+
+g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+g.stop()
+helpers = [forkserver._forkserver._forkserver_pid, resource_tracker._resource_tracker._pid]
+close_helpers()
+left = [c.pid for c in psutil.Process().children(recursive=True)]  # zombies count here too
+g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)  # the helpers start again
+again = g.run(lambda: 1)
+g.stop()
+print(json.dumps({"helpers": helpers, "left": left, "again": again}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_close_helpers_ends_and_reaps_the_forkserver_and_tracker_and_groups_start_again():
+    """What the kernel's shutdown hook relies on: after close_helpers() this process has no child
+    at all (none signalled and left a zombie), and a later group starts the helpers afresh."""
+    out = subprocess.run([sys.executable, "-c", CLOSE_HELPERS], capture_output=True, text=True,
+                         timeout=100, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert all(report["helpers"]) and report["left"] == [] and report["again"] == [1, 1]

@@ -32,7 +32,11 @@ Adding magics (``%dist_bench``, ``%dist_mem``, ``%dist_ui``)
 """
 from __future__ import annotations
 
+import sys
+
+from ...runtime.api import stop_all
 from ...runtime.current import say_once
+from ...runtime.forkserver import close_helpers
 from ...runtime.group import current_group, use_group
 from . import base
 from .base import NbdistMagics, register_magics, usage
@@ -51,12 +55,32 @@ def load_ipython_extension(shell) -> None:
     from ...runtime.forkserver import prewarm
 
     prewarm()
+    kernel = getattr(shell, "kernel", None)  # ipykernel's; None in a terminal IPython
+    if kernel is not None and not hasattr(kernel.do_shutdown, "nbdist_original"):
+        kernel.do_shutdown = _stopping_first(kernel.do_shutdown)
     for cls in base._magic_classes:
         if cls.__name__ not in shell.magics_manager.registry:
             shell.register_magics(cls)
     for event, hook in (("pre_run_cell", _before_cell), ("post_run_cell", _after_cell)):
         if hook not in shell.events.callbacks[event]:
             shell.events.register(event, hook)
+
+
+def _stopping_first(do_shutdown):
+    """The kernel's shutdown (and restart) handler, after nbdist has stopped every group and ended
+    its helper processes: ipykernel then finds no child to wait for, and nbdist's cleanup runs
+    before Jupyter's deadline for the kernel to exit (:func:`~nbdist.runtime.forkserver.close_helpers`)."""
+    def shutdown(restart):
+        try:
+            stop_all()
+            close_helpers()
+        except Exception as err:  # noqa: BLE001 -- the kernel must still shut down
+            print(f"nbdist: stopping the groups before the kernel's shutdown failed: {err!r}",
+                  file=sys.__stderr__)
+        return do_shutdown(restart)
+
+    shutdown.nbdist_original = do_shutdown
+    return shutdown
 
 
 def _before_cell(info=None) -> None:
