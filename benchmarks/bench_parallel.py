@@ -9,7 +9,8 @@ fp32, gloo on CPU. Every strategy trains the same **whole batch** of 8 sequences
 step, shared out the way the strategy needs it:
 
 * ``ddp``, ``hsdp``: each rank a 1/N share;
-* ``tp``: the whole batch on every rank (tensor parallel over the whole world);
+* ``tp``: the whole batch on every rank (tensor parallel over the whole world); ``tp+sp``: the
+  same with sequence parallel (``sequence_parallel=True``, the tutorial's tp + sp);
 * ``fsdp2+tp`` (``tp=2``): a 1/dp share per tp group;
 * ``1f1b``: :func:`nbdist.parallel.pipeline`, 4 microbatches, one stage per rank (2 ranks: blocks
   0-2 | block 3, norm, head; 4 ranks: one block each, the last stage with the norm and the head).
@@ -40,7 +41,8 @@ import harness  # noqa: E402
 
 FULL = dict(rounds=7, steps=20)
 QUICK = dict(rounds=2, steps=8)
-STRATEGIES = {2: ["ddp", "tp", "1f1b"], 4: ["ddp", "tp", "fsdp2+tp", "hsdp", "1f1b"]}
+STRATEGIES = {2: ["ddp", "tp", "tp+sp", "1f1b"],
+              4: ["ddp", "tp", "tp+sp", "fsdp2+tp", "hsdp", "1f1b"]}
 BATCH, SEQ, DIM, HEADS, HIDDEN, BLOCKS = 8, 8, 16, 4, 32, 4  # the tutorial's model and batch
 
 
@@ -82,10 +84,13 @@ def _train(name, steps):
         dp, index = world, rank
     elif name == "fsdp2+tp":
         dp, index = world // 2, parallel.MeshLayout(world, dp=-1, tp=2).coords(rank)["dp"]
-    else:  # tp
+    else:  # tp, tp+sp
         dp, index = 1, 0
     x, y = x.chunk(dp)[index], y.chunk(dp)[index]
-    wrapped, opt = strategies.wrap(name, model, make_opt)
+    if name == "tp+sp":
+        wrapped, opt = strategies.wrap("tp", model, make_opt, sequence_parallel=True)
+    else:
+        wrapped, opt = strategies.wrap(name, model, make_opt)
     for _ in range(steps):
         t0 = _t.perf_counter()
         opt.zero_grad()

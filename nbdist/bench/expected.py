@@ -33,15 +33,25 @@ and backward, per rank. The rules, for ``T`` tokens (batch x sequence) and ``e``
   except under FSDP2 (``fsdp2+tp``): the gradient of each parameter of a ``SequenceParallel``
   norm is partial over ``tp`` and is all-reduced there (its size) before FSDP2 reduce-scatters it
   (measured; plain ``tp`` issues none).
+* **pipeline over** ``pp`` (``strategy="pp"``, as :func:`nbdist.parallel.pipeline` splits the
+  model): per microbatch and stage boundary, one ``send`` of the activation forward (the stage
+  before the boundary to the stage after it) and one ``send`` of its gradient backward (the other
+  way), each ``T / m x w x e`` for ``m`` microbatches and ``w`` the features per token the stage
+  before the boundary outputs; each send is a ``recv`` on the other rank. A rank's figure depends
+  on its stages (the first and the last have one neighbour), so the rows are the **mean over the
+  ranks** (what :meth:`Traffic.compare` compares with; ``rank=`` gives one rank's). Plus one
+  all_reduce of 8 bytes per step: :meth:`~nbdist.parallel.Pipeline.step`'s check that every rank's
+  batch is valid. The schedule changes the order of the sends, not their number.
 """
 from __future__ import annotations
 
 from fnmatch import fnmatch
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 from .records import Table
 
-STRATEGIES = ("tp", "fsdp2+tp", "hsdp")
+STRATEGIES = ("tp", "fsdp2+tp", "hsdp", "pp")
+_WIDTH = ("out_features", "embedding_dim", "normalized_shape")
 
 
 def _named(model, key: str):
@@ -94,10 +104,73 @@ def _fsdp_groups(model, styles: Dict[str, str], tp: int, shards: int, elt: int) 
     return groups
 
 
+def _width(layers, stage: int, first: int) -> int:
+    """Features per token that a stage's output has: the last module (in module order) of its
+    layers with ``out_features``, ``embedding_dim`` or ``normalized_shape``."""
+    for layer in reversed(layers):
+        for mod in reversed(list(layer.modules())):
+            for attr in _WIDTH:
+                value = getattr(mod, attr, None)
+                if isinstance(value, (tuple, list)) and value:
+                    value = value[-1]
+                if isinstance(value, int):
+                    return value
+    raise ValueError(f"expected_traffic(..., 'pp') cannot tell the width of what stage {stage} "
+                     f"(layers from {first}) sends: none of its modules has out_features, "
+                     f"embedding_dim or normalized_shape; pass widths=[...] (the features per "
+                     f"token each stage but the last outputs)")
+
+
+def _pipeline_rows(model, tokens: int, ranks: int, schedule: str, microbatches: int, split,
+                   stages_per_rank, widths, rank, elt: int) -> List[Dict]:
+    """The rows of ``strategy="pp"`` (see the module docstring)."""
+    from torch import nn
+
+    from ..parallel.pipeline import plan
+
+    if isinstance(model, (list, tuple)) and not isinstance(model, nn.Module):
+        stages = [[m] for m in model]
+        bounds = plan(len(stages), ranks, schedule, microbatches, None, stages_per_rank)
+    else:
+        layers = list(model.children())
+        bounds = plan(len(layers), ranks, schedule, microbatches, split, stages_per_rank)
+        stages = [layers[a:b] for a, b in bounds]
+    n = len(stages)
+    if widths is None:
+        widths = [_width(stages[s], s, bounds[s][0]) for s in range(n - 1)]
+    elif len(widths) != n - 1:
+        raise ValueError(f"widths= lists the features per token each stage but the last sends: "
+                         f"{n - 1} ints for {n} stages, got {len(widths)}")
+    if rank is not None and not 0 <= rank < ranks:
+        raise ValueError(f"rank={rank} is outside 0..{ranks - 1}")
+    per = {"send": [0, 0], "recv": [0, 0]}  # op -> [calls, bytes], summed over the ranks counted
+    for r in ([rank] if rank is not None else range(ranks)):
+        for s in range(r, n, ranks):
+            for boundary in (s - 1, s):  # before the stage and after it
+                if 0 <= boundary < n - 1:
+                    size = tokens * widths[boundary] * elt // microbatches
+                    for op in ("send", "recv"):  # forward one way, backward the other
+                        per[op][0] += microbatches
+                        per[op][1] += microbatches * size
+    count = 1 if rank is not None else ranks
+    rows = [{"dim": "pp", "ranks": ranks, "op": "all_reduce", "calls": 1, "bytes": 8}]
+    for op in ("recv", "send"):
+        calls, nbytes = per[op]
+        if calls:
+            rows.append({"dim": "pp", "ranks": ranks, "op": op, "calls": calls / count,
+                         "bytes": nbytes / count})
+    return rows if ranks > 1 else []
+
+
 def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
                      tp: Optional[int] = None, dp_shard: Optional[int] = None, plan=None,
                      sequence_parallel: bool = False, reshard_after_forward: bool = True,
-                     param_bytes: int = 4, activation_bytes: int = 4) -> Table:
+                     param_bytes: int = 4, activation_bytes: int = 4,
+                     schedule: str = "1f1b", microbatches: int = 4,
+                     split: Optional[Sequence[int]] = None,
+                     stages_per_rank: Optional[int] = None,
+                     widths: Optional[Sequence[int]] = None,
+                     rank: Optional[int] = None) -> Table:
     """Per mesh dimension and op, the ``calls`` and ``bytes`` one training step (forward and
     backward) should issue on each rank under ``strategy`` (see the module docstring for the
     rules). Rows also carry ``ranks`` (the dimension's size). Compare with the measured
@@ -107,8 +180,16 @@ def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
         model: the model *before* wrapping (its full shapes); not changed.
         strategy: ``"tp"``, ``"fsdp2+tp"`` or ``"hsdp"``, with the same options as
             :func:`nbdist.strategies.wrap`: ``tp`` (fsdp2+tp, default 2), ``dp_shard`` (hsdp,
-            default half the world), ``plan`` (default :func:`nbdist.parallel.auto_plan`).
-        tokens: activations' rows per rank per step: batch x sequence (what one tp group sees).
+            default half the world), ``plan`` (default :func:`nbdist.parallel.auto_plan`); or
+            ``"pp"``, a pipeline over the whole world with the options of
+            :func:`nbdist.parallel.pipeline`: ``schedule``, ``microbatches``, ``split``,
+            ``stages_per_rank`` (``model``: the ``nn.Sequential``, or the list of stages).
+        tokens: activations' rows per rank per step: batch x sequence (what one tp group sees;
+            for ``"pp"`` the whole batch of a step, split into ``microbatches``).
+        widths: ``"pp"`` only: the features per token each stage but the last sends (default:
+            read off the stage's last module with ``out_features``, ``embedding_dim`` or
+            ``normalized_shape``).
+        rank: ``"pp"`` only: this rank's figure instead of the mean over the ranks.
         world_size: the number of ranks.
         param_bytes, activation_bytes: bytes per element of parameters/gradients and of
             activations (4 for float32).
@@ -118,6 +199,9 @@ def expected_traffic(model, strategy: str, *, tokens: int, world_size: int,
                          f"{strategy!r}")
     from ..parallel import MeshLayout, auto_plan
 
+    if strategy == "pp":
+        return Table(_pipeline_rows(model, tokens, world_size, schedule, microbatches, split,
+                                    stages_per_rank, widths, rank, activation_bytes))
     if strategy == "tp":
         layout = MeshLayout(world_size, tp=world_size)
     elif strategy == "fsdp2+tp":

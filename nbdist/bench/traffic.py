@@ -14,8 +14,8 @@ name. So the block runs under a ``TorchDispatchMode`` (the mechanism of torch's 
 ``ProcessGroup`` of a ``c10d`` op (FSDP2's all_gather and reduce_scatter, ``dist.*`` calls) or the
 group name of a functional collective (DTensor's redistributions, i.e. tensor parallel). Nothing is
 changed: the op runs as it would. Limits: a collective issued on another thread than the one that
-entered the block (or from C++ code that bypasses the dispatcher) is not seen; point-to-point ops
-(send/recv, pipelines) are counted but have no algorithmic factor.
+entered the block (or from C++ code that bypasses the dispatcher) is not seen. Point-to-point ops
+(a pipeline's send/recv) are counted like the others; a send's wire factor is 1, a recv's 0.
 
 ``bytes`` follows nccl-tests (:mod:`nbdist.bench.units`): the largest buffer of the op -- the
 tensor for all_reduce, the gathered output for all_gather, the input for reduce_scatter. What an
@@ -49,13 +49,14 @@ _RS_AS_ALL_REDUCE = ("gloo",)
 def wire_factor(op: str, n: int, backend: str = "nccl") -> Optional[float]:
     """Bytes each rank sends per byte of ``op``'s size on ``n`` ranks: nccl-tests' bus factor,
     except that a backend without a reduce-scatter of its own (gloo) all-reduces the whole input,
-    so its reduce_scatter counts as an all_reduce. ``None`` for ops with no factor (barrier)."""
+    so its reduce_scatter counts as an all_reduce. A send sends its tensor (1), a recv nothing (0).
+    ``None`` for ops with no factor (barrier)."""
     if n <= 1:
         return 0.0
     if op == "reduce_scatter" and any(b in backend for b in _RS_AS_ALL_REDUCE):
         op = "all_reduce"
-    if op in ("send", "recv"):
-        return 1.0
+    if op in ("send", "recv"):  # point to point: a send puts its tensor on the wire, a recv
+        return 1.0 if op == "send" else 0.0  # takes it off (the sender counts it)
     try:
         return bus_factor(op, n)
     except (KeyError, ValueError):

@@ -61,6 +61,27 @@ def measure(name, kind="block", steps=2, **options):
     return tr, expected
 
 
+def measure_pipeline(schedule, steps=2):
+    """A pipeline of the block model (widened to 4 layers for interleaved), one warm-up step,
+    then ``steps`` measured under traffic(device_mesh(pp=world)); return (measured, expected)."""
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    blocks = 3 if schedule == "interleaved1f1b" else 2
+    model = torch.nn.Sequential(*[parallel.TransformerBlock(16, 4, 32) for _ in range(blocks)],
+                                torch.nn.Linear(16, 4))
+    x, y = torch.randn(4, 8, 16), torch.randn(4, 8, 4)
+    options = dict(schedule=schedule, microbatches=4)
+    expected = bench.expected_traffic(model, "pp", tokens=4 * 8, world_size=world, **options)
+    pipe = parallel.pipeline(model, loss_fn=torch.nn.functional.mse_loss, **options)
+    pipe.step(x, y)  # the first step infers the shapes the stages exchange
+    with bench.traffic(parallel.device_mesh(pp=world), steps=steps) as tr:
+        for _ in range(steps):
+            pipe.step(x, y)
+    return tr, expected
+
+
 def check(results):
     measured = bench.Traffic.merge(tr for tr, _ in results)
     expected = results[0][1]
@@ -94,6 +115,18 @@ class TestTwoRanks:
         rows = {r["op"]: r for r in table}
         assert set(rows) == {"all_gather", "reduce_scatter"}
         assert (rows["all_gather"]["calls"], rows["reduce_scatter"]["calls"]) == (11, 8)
+
+    @pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+    def test_a_pipeline_sends_what_its_stages_say(self, two, schedule):
+        """Per microbatch and stage boundary: one activation send forward, one gradient send
+        backward (a recv on the other rank), T/m x width; plus the step's 8-byte batch check."""
+        measured, table = check(two.run(measure_pipeline, schedule))
+        assert {(r["dim"], r["op"]) for r in table} == {
+            ("pp", "send"), ("pp", "recv"), ("pp", "all_reduce")}
+        assert len({r["rank"] for r in measured}) == 2
+        sends = {r["rank"]: r["calls"] for r in measured if r["op"] == "send"}
+        # 1f1b: one boundary, 4 microbatches, each rank sends 4; interleaved: 3 boundaries
+        assert sends == ({0: 4, 1: 4} if schedule == "1f1b" else {0: 12, 1: 12})
 
     def test_a_mesh_of_another_size_is_refused(self, two):
         def run():

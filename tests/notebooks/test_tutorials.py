@@ -158,3 +158,14 @@ def test_beyond_data_parallel(tmp_path):
     assert "theory 43% = (p-1)/(m+p-1) = 3/7 (p=4, m=4)" in out[9]
     assert any("image/png" in o.get("data", {}) for o in code[9].outputs)  # the Gantt chart
     assert any("image/png" in o.get("data", {}) for o in code[1].outputs)  # the mesh figure
+    # the three schedules, each chart after its measured bubble and the theory
+    printed = "".join(o["text"] for o in code[10].outputs if o.get("output_type") == "stream")
+    lines = {line.split(":")[0]: line for line in printed.splitlines() if "bubble measured" in line}
+    assert set(lines) == {"gpipe", "1f1b", "interleaved1f1b"}, printed
+    for name in ("gpipe", "1f1b"):
+        assert "theory 43% = (p-1)/(m+p-1) = 3/7 (p=4, m=4)" in lines[name]
+    assert "theory 27% = (p-1)/(v*m+p-1) = 3/11 (p=4, v=2, m=4)" in lines["interleaved1f1b"]
+    kinds = ["text" if o.get("output_type") == "stream" else
+             "image" if "image/png" in o.get("data", {}) else "other" for o in code[10].outputs]
+    collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
+    assert collapsed == ["text", "image"] * 3, kinds  # each Gantt chart under its bubble line
