@@ -244,7 +244,7 @@ def test_timeline_times_every_microbatch_on_every_rank(shared_group, schedule):
     assert b["theory"] == pytest.approx(1 / 5 if stages == 2 else 1 / 9)
     assert 0 <= b["measured"] < 1 and sorted(b["per_rank"]) == [0, 1]
     text = repr(tl)
-    assert "idle share (%)" in text and f"bubble: measured" in text
+    assert "idle share (%)" in text and "bubble: measured" in text
     assert "<table>" in tl._repr_html_()
     assert sorted(tl.spans) == [0, 1]
 
