@@ -3,23 +3,14 @@ closing the trace afterwards (a closed group, or a NameError on freshly restarte
 from __future__ import annotations
 
 import pytest
-from IPython.utils.capture import capture_output
 
 import nbdist
 from nbdist.errors import RemoteError
 from nbdist.ui import magics
 
+from cells import run, texts  # tests/notebooks, on sys.path
+
 DIE = "%%dist --trace\nimport os\nif rank == 1:\n    os._exit(3)"
-
-
-def run(shell, cell):
-    with capture_output() as captured:
-        result = shell.run_cell(cell)
-    return result, captured
-
-
-def texts(captured):
-    return [out.data.get("text/plain") for out in captured.outputs]
 
 
 @pytest.mark.timeout(120)

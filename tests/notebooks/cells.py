@@ -1,0 +1,17 @@
+"""Running a cell in the test shell as a notebook would, for the magics tests (this directory is
+on sys.path while they run)."""
+from __future__ import annotations
+
+from IPython.utils.capture import capture_output
+
+
+def run(shell, cell):
+    """Run ``cell`` as a notebook would; return (result, captured output)."""
+    with capture_output() as captured:
+        result = shell.run_cell(cell)
+    return result, captured
+
+
+def texts(captured):
+    """The text/plain of every display() the cell made."""
+    return [out.data.get("text/plain") for out in captured.outputs]
