@@ -111,8 +111,10 @@ def _close(server, tracker, wait: float) -> None:
                 os.close(server._forkserver_alive_fd)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
-            with contextlib.suppress(OSError):
-                os.unlink(server._forkserver_address)
+            address = server._forkserver_address  # a socket file, unless in the abstract namespace
+            if isinstance(address, str) and not address.startswith("\0"):
+                with contextlib.suppress(OSError):
+                    os.unlink(address)
             server._forkserver_alive_fd = server._forkserver_address = None
             _reap(pid, wait)
     with tracker._lock:
