@@ -17,6 +17,7 @@ import contextvars
 import html
 import io
 import threading
+import time
 import weakref
 from typing import Optional
 
@@ -79,8 +80,14 @@ class Watch:
             self._thread.join(timeout)
 
     def _loop(self) -> None:
+        # Redraws start ``every`` s apart, so a value waits at most that plus one render; but a
+        # render slower than half of it is followed by half of it idle: the kernel stays usable.
+        began = time.monotonic()
+        from matplotlib.figure import Figure  # noqa: F401 -- imported now, not in the 1st redraw
+
         while not self._stop.is_set():
-            ended = self.job.wait(self.every)
+            ended = self.job.wait(max(self.every - (time.monotonic() - began), self.every / 2))
+            began = time.monotonic()
             self.refresh()
             if ended:
                 break
