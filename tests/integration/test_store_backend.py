@@ -1,66 +1,23 @@
 """Integration tests for nbdist.store_backend, with real spawned processes.
 
-Each multi-process test hosts a TCPStore in the pytest process (port 0), spawns the ranks
-with the multiprocessing "spawn" context and collects one result string per rank through
-that store ("ok" or a traceback). Many checks share one spawned run to keep the file fast.
+Each multi-process test spawns its ranks with spawned.py's ``run_ranks`` (a TCPStore in the
+pytest process; each rank reports its result or its traceback through it). Many checks share
+one spawned run to keep the file fast.
 """
 
 import os
 import sys
 import time
-import traceback
 from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from nbdist.backends import store as store_backend  # noqa: E402
 
-HOST = "127.0.0.1"
-
-
-# ----------------------------------------------------------------------------- harness
-def _entry(fn, rank, world_size, port, prefix):
-    """Child process: connect to the parent's store, run fn, report "ok" or the traceback."""
-    store = dist.TCPStore(HOST, port, is_master=False, timeout=timedelta(seconds=60))
-    results = dist.PrefixStore(f"{prefix}/results", store)
-    try:
-        fn(rank, world_size, dist.PrefixStore(prefix, store))
-        results.set(str(rank), "ok")
-    except BaseException:
-        results.set(str(rank), traceback.format_exc())
-        raise
-
-
-def _run(fn, world_size, timeout=90):
-    """Run fn(rank, world_size, store) in world_size spawned processes; fail on any error."""
-    master = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
-                           timeout=timedelta(seconds=60))
-    prefix = f"{fn.__name__}-{time.monotonic_ns()}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, master.port, prefix), daemon=True)
-             for r in range(world_size)]
-    try:
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            p.join(max(0.1, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        results = dist.PrefixStore(f"{prefix}/results", master)
-        report = {r: results.get(str(r)).decode() if results.check([str(r)]) else
-                  f"no result (exit code {p.exitcode})" for r, p in enumerate(procs)}
-        assert not hung, f"ranks {hung} still running after {timeout}s: {report}"
-        failed = {r: msg for r, msg in report.items() if msg != "ok"}
-        assert not failed, "\n".join(f"--- rank {r}:\n{m}" for r, m in failed.items())
-    finally:  # never leave a child behind
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-            p.join(5)
+from spawned import run_ranks as _run  # noqa: E402 -- tests/integration, on sys.path
 
 
 def _init(rank, world_size, store, timeout=30):
