@@ -11,6 +11,9 @@ import nbdist
 pl = pytest.importorskip("pytorch_lightning")
 import nbdist.lightning as nl  # noqa: E402
 
+from lightning_cells import (notebook, one_process_on_lightning_batches,  # noqa: E402,I001
+                             prepared_group)
+
 # Models and data as a notebook cell would define them: in __main__, so they travel by value.
 SOURCE = '''
 import os
@@ -71,19 +74,14 @@ pytestmark = pytest.mark.timeout(120)
 @pytest.fixture(scope="module")
 def nb():
     """The notebook's namespace: SOURCE run as ``__main__``."""
-    ns = {"__name__": "__main__"}
-    exec(SOURCE, ns)
-    return ns
+    return notebook(SOURCE)
 
 
 @pytest.fixture(scope="module")
 def g():
     """One 2-rank gloo group for the module, with the Lightning guards and SOURCE on the ranks."""
-    group = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
-    nl.prepare(group)  # before Lightning is imported on the ranks: the import hook patches it
-    group.exec(SOURCE)
-    yield group
-    group.stop()
+    with prepared_group(2, SOURCE, timeout=30) as group:
+        yield group
 
 
 @pytest.fixture(scope="module")
@@ -183,18 +181,7 @@ def test_tensor_parallel_through_lightning_matches_one_process(g, nb):
     results = nl.fit(g, nb["TensorParallel"], nb["make_data"], "tp", weights="all", max_epochs=2,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert [r.global_step for r in results] == [16, 16]  # all 8 batches per epoch on each rank
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    ref = nb["Toy"]()  # RANK unset here: seed 0, as the module seeds itself on every rank
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    data = nb["make_data"]().dataset
-    sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True)  # Lightning's, dp=1
-    for epoch in range(2):
-        sampler.set_epoch(epoch)
-        for x, y in DataLoader(data, batch_size=8, sampler=sampler):
-            opt.zero_grad()
-            ref.loss(x, y).backward()
-            opt.step()
+    ref = one_process_on_lightning_batches(nb, dp=1)
     for state in (r.state_dict for r in results):
         for name, value in ref.state_dict().items():
             assert torch.allclose(state[name].float(), value, atol=1e-5), name

@@ -14,6 +14,8 @@ pl = pytest.importorskip("pytorch_lightning")
 pytest.importorskip("deepspeed")
 import nbdist.lightning as nl  # noqa: E402
 
+from lightning_cells import notebook, prepared_group  # noqa: E402 -- tests/integration, on sys.path
+
 # As a notebook cell would define them: in __main__, so they travel by value.
 SOURCE = '''
 import torch
@@ -56,18 +58,13 @@ pytestmark = pytest.mark.timeout(150)
 @pytest.fixture(scope="module")
 def nb():
     """The notebook's namespace: SOURCE run as ``__main__``."""
-    ns = {"__name__": "__main__"}
-    exec(SOURCE, ns)
-    return ns
+    return notebook(SOURCE)
 
 
 @pytest.fixture(scope="module")
 def g():
-    group = nbdist.start(2, backend="gloo", device="cpu", timeout=60)
-    nl.prepare(group)
-    group.exec(SOURCE)
-    yield group
-    group.stop()
+    with prepared_group(2, SOURCE) as group:
+        yield group
 
 
 def reference(nb, world, epochs=EPOCHS, batch=8):
@@ -201,9 +198,7 @@ def test_another_process_group_backend_for_the_fit_then_back(g, nb, tmp_path, ca
 def test_each_stage_on_four_ranks(nb, tmp_path):
     # one group of 4 for the three stages, by name and (stage 3) as a strategy object
     start = time.monotonic()
-    with nbdist.start(4, backend="gloo", device="cpu", timeout=90) as group:
-        nl.prepare(group)
-        group.exec(SOURCE)
+    with prepared_group(4, SOURCE, timeout=90) as group:
         for stage in (1, 2):
             fit_and_compare(group, nb, f"deepspeed_stage_{stage}", tmp_path / str(stage), world=4)
         fit_and_compare(group, nb, nl.NbdistDeepSpeedStrategy(stage=3), tmp_path / "3", world=4)

@@ -4,11 +4,11 @@ run, are refused before anything runs. (``tp`` on 2 ranks: test_lightning.py.)""
 import pytest
 import torch
 
-import nbdist
-
 pl = pytest.importorskip("pytorch_lightning")
 import nbdist.lightning as nl  # noqa: E402
 
+from lightning_cells import (notebook, one_process_on_lightning_batches,  # noqa: E402,I001
+                             prepared_group)
 from test_lightning import SOURCE  # noqa: E402
 
 # FSDP2 over Lightning's "data_parallel" dimension on top of tensor parallel over
@@ -30,19 +30,14 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.fixture(scope="module")
 def nb():
-    ns = {"__name__": "__main__"}
-    exec(SOURCE_2D, ns)
-    return ns
+    return notebook(SOURCE_2D)
 
 
 @pytest.fixture(scope="module")
 def g4():
     """One 4-rank gloo group for the module, with the Lightning guards and the source on it."""
-    group = nbdist.start(4, backend="gloo", device="cpu", timeout=60)
-    nl.prepare(group)
-    group.exec(SOURCE_2D)
-    yield group
-    group.stop()
+    with prepared_group(4, SOURCE_2D) as group:
+        yield group
 
 
 def test_fsdp2_tp_through_lightning_matches_one_process(g4, nb):
@@ -52,20 +47,7 @@ def test_fsdp2_tp_through_lightning_matches_one_process(g4, nb):
     results = nl.fit(g4, nb["TwoD"], nb["make_data"], "fsdp2+tp", weights="all", max_epochs=2,
                      logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert [r.global_step for r in results] == [8] * 4  # 4 batches of 8 per dp rank, 2 epochs
-    from torch.utils.data import DataLoader, DistributedSampler
-
-    ref = nb["Toy"]()  # RANK unset here: seed 0, as TwoD seeds itself on every rank
-    opt = torch.optim.SGD(ref.parameters(), lr=0.05)
-    data = nb["make_data"]().dataset
-    samplers = [DistributedSampler(data, num_replicas=2, rank=r, shuffle=True) for r in (0, 1)]
-    for epoch in range(2):
-        for sampler in samplers:
-            sampler.set_epoch(epoch)
-        halves = [DataLoader(data, batch_size=8, sampler=s) for s in samplers]
-        for (x0, y0), (x1, y1) in zip(*halves):
-            opt.zero_grad()
-            ref.loss(torch.cat([x0, x1]), torch.cat([y0, y1])).backward()
-            opt.step()
+    ref = one_process_on_lightning_batches(nb, dp=2)
     start = nb["Toy"]().state_dict()
     for state in (r.state_dict for r in results):
         for name, value in ref.state_dict().items():
