@@ -143,22 +143,20 @@ def _pipeline_rows(model, tokens: int, ranks: int, schedule: str, microbatches: 
                          f"{n - 1} ints for {n} stages, got {len(widths)}")
     if rank is not None and not 0 <= rank < ranks:
         raise ValueError(f"rank={rank} is outside 0..{ranks - 1}")
-    per = {"send": [0, 0], "recv": [0, 0]}  # op -> [calls, bytes], summed over the ranks counted
+    # At each boundary of a stage a rank holds: per microbatch, one send and one recv (the
+    # activation forward one way, its gradient backward the other), summed over the ranks counted.
+    calls = nbytes = 0
     for r in ([rank] if rank is not None else range(ranks)):
         for s in range(r, n, ranks):
             for boundary in (s - 1, s):  # before the stage and after it
                 if 0 <= boundary < n - 1:
-                    size = tokens * widths[boundary] * elt // microbatches
-                    for op in ("send", "recv"):  # forward one way, backward the other
-                        per[op][0] += microbatches
-                        per[op][1] += microbatches * size
+                    calls += microbatches
+                    nbytes += microbatches * (tokens * widths[boundary] * elt // microbatches)
     count = 1 if rank is not None else ranks
     rows = [{"dim": "pp", "ranks": ranks, "op": "all_reduce", "calls": 1, "bytes": 8}]
-    for op in ("recv", "send"):
-        calls, nbytes = per[op]
-        if calls:
-            rows.append({"dim": "pp", "ranks": ranks, "op": op, "calls": calls / count,
-                         "bytes": nbytes / count})
+    if calls:
+        rows += [{"dim": "pp", "ranks": ranks, "op": op, "calls": calls / count,
+                  "bytes": nbytes / count} for op in ("recv", "send")]
     return rows if ranks > 1 else []
 
 
