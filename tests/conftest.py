@@ -1,4 +1,5 @@
-"""Suite-wide fixtures: every test is checked for leaked child processes and shm segments."""
+"""Suite-wide fixtures: every test is checked for leaked child processes and shm segments, and for
+locks taken out of the order nbdist.wire.locks declares."""
 import glob
 import multiprocessing.forkserver as mp_forkserver
 import os
@@ -6,6 +7,10 @@ import time
 
 import psutil
 import pytest
+
+from nbdist.wire import locks
+
+locks.check(True)  # every lock nbdist makes from here on checks the order (nbdist.wire.locks)
 
 
 def _helper_pids():
@@ -52,7 +57,9 @@ def no_leaks(request):
     """Fail a test that leaves child processes or nbdist shared-memory segments behind."""
     before = _children()
     segs_before = _segments()
+    inversions = len(locks.violations())
     yield
+    assert locks.violations()[inversions:] == [], "a lock was taken out of order (see above)"
     if request.node.get_closest_marker("allow_leaks"):
         return
     deadline = time.monotonic() + 5.0
