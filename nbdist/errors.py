@@ -9,7 +9,7 @@ Every error nbdist raises on purpose derives from :class:`NbdistError`::
     ├── GroupInterrupted     the caller interrupted a call (says which ranks were killed)
     ├── BackendError         a backend is unknown or not available here (also a ``ValueError``)
     ├── GroupClosedError     the group was stopped, or must be restarted before use
-    └── GroupBusyError       a background job is running on the group
+    └── GroupBusyError       a background job (or another thread) holds the group
 
 User mistakes in arguments (a world size of 0, a device name nbdist does not know) raise plain
 ``ValueError`` / ``TypeError`` with a message that says what was expected.
@@ -44,7 +44,8 @@ class GroupClosedError(NbdistError):
 
 
 class GroupBusyError(NbdistError):
-    """A call needs the group while a background job runs on it; ``job`` is that job."""
+    """A call needs the group while a background job runs on it (``job`` is that job), or
+    ``stop(timeout)`` could not stop a group that another thread holds (``job`` is ``None``)."""
 
     def __init__(self, message: str, job=None):
         self.job = job

@@ -22,7 +22,7 @@ from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import BackendChoice, resolve_backend
-from ..errors import NbdistError, ranks_phrase
+from ..errors import GroupClosedError, NbdistError, ranks_phrase
 from ..wire import transport
 from ..wire.relay import OutputRelay
 from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
@@ -54,6 +54,7 @@ class AttachLauncher(Launcher):
         self.regen: Optional[Regenerator] = None
         self.restarts = (0, 0)  #: (torchrun's restart count, its --max-restarts) seen on the ranks
         self._current: List[Rank] = []  #: the generation the group runs
+        self._closed = False  # close() is final: stop() may call it while a launch is under way
 
     @property
     def restart_refusal(self) -> Optional[str]:
@@ -85,6 +86,8 @@ class AttachLauncher(Launcher):
         """Listen, print the commands, wait for every rank; the TCPStore is returned to keep."""
         import torch.distributed as dist
 
+        if self._closed:  # stop() from another thread closed it on this launch's way here
+            raise GroupClosedError("this attached group was stopped.")
         if self.regen is not None:
             return self._next_generation(relay)
         ws = opts["world_size"]
@@ -166,6 +169,7 @@ class AttachLauncher(Launcher):
 
     def close(self) -> None:
         """The group stopped: stop listening, remove the key file if nbdist made it."""
+        self._closed = True
         regen = self.regen
         if regen is not None:
             # torchrun may restart the failed ranks after this: turn them away for a while

@@ -7,15 +7,17 @@ what came back (``pending``, ``replies``, ``dead``). :meth:`Call.wait` ends in e
 * ``"ok"`` -- every target replied (with a result, or a Python error: :class:`RemoteError`);
 * ``"died"`` -- a worker process died (the sentinel fires, or its channel broke);
 * ``"timeout"`` -- the deadline passed;
-* ``"interrupted"`` -- the caller got Ctrl-C / the notebook's interrupt.
+* ``"interrupted"`` -- the caller got Ctrl-C / the notebook's interrupt (while sending, too).
 
 :func:`settle` turns the outcome into a :class:`Verdict`: the results, or the error to raise, and
 whether the group must be torn down. Ranks still busy after a timeout or an interrupt get SIGINT;
 those still blocked after ``grace`` seconds (inside a collective, typically) are killed. A rank that
 died is reported after the survivors had a moment to answer. In an attached group (ranks started by
 torchrun/srun) a death or a kill also ends every other rank (:meth:`RankSet.abort_remote`), and the
-error says so. The call never touches the group's state: the group applies the verdict. A
-background job is the same object, waited on later.
+error says so. A Ctrl-C that lands once every rank has replied (while the results are unpickled)
+loses this call's results only: the group stays usable, and the error says so. The call never
+touches the group's state: the group applies the verdict. A background job is the same object,
+waited on later.
 """
 from __future__ import annotations
 
@@ -59,21 +61,35 @@ class Call:
         del lines[:-OUTPUT_LINES]
 
     def send(self, rs: RankSet) -> None:
-        """Send the request to every target (a rank whose channel fails is caught by the wait)."""
+        """Send the request to every target (a rank whose channel fails is caught by the wait).
+
+        A Ctrl-C while sending ends the call as ``interrupted`` here (:meth:`wait` then returns at
+        once): the ranks that got the request are interrupted as usual, one whose request was
+        cut in half (a torn channel) is killed, those not reached yet never knew of the call.
+        """
         self.started = time.time()
         if self.timeout is not None:
             self.deadline = time.monotonic() + self.timeout
-        for r in self.targets:
-            rank = rs[r]
-            rank.state, rank.busy_with, rank.since = "busy", self.what, self.started
-            self.pending.add(r)  # before sending: an interrupted send leaves a torn channel
-            try:
-                freed = rs.take_freed(r)
-                if freed:
-                    rank.channel.send_bytes(transport.encode(("free", 0, freed)))
-                rank.channel.send_bytes(self.msg)
-            except OSError:
-                pass  # the sentinel (or EOF) tells the rest
+        sent = set()
+        try:
+            for r in self.targets:
+                rank = rs[r]
+                rank.state, rank.busy_with, rank.since = "busy", self.what, self.started
+                self.pending.add(r)  # before sending: an interrupted send leaves a torn channel
+                try:
+                    freed = rs.take_freed(r)
+                    if freed:
+                        rank.channel.send_bytes(transport.encode(("free", 0, freed)))
+                    rank.channel.send_bytes(self.msg)
+                except OSError:
+                    pass  # the sentinel (or EOF) tells the rest
+                sent.add(r)
+        except KeyboardInterrupt:
+            self.outcome = INTERRUPTED
+            for r in self.pending - sent:  # its request had not started: it is not in the call
+                if not rs[r].channel.torn:
+                    self.pending.discard(r)
+                    rs[r].state, rs[r].since = "idle", None
 
     def poll(self, rs: RankSet, timeout: Optional[float]) -> None:
         """Read what has arrived within ``timeout`` seconds: replies, deaths, broken channels."""
@@ -114,6 +130,8 @@ class Call:
 
         ``tick``: wake at least this often to notice :meth:`cancel` (background jobs).
         """
+        if self.outcome is not None:  # interrupted while sending
+            return self.outcome
         try:
             while self.pending and not self.dead:
                 if self._cancelled:
@@ -150,9 +168,9 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
     if call.outcome == DIED:
         return Verdict(error=_deaths(call, rs), broken=True)
     waiting = sorted(call.pending)
-    killed = _stop_pending(call, rs, grace)
+    killed, torn = _stop_pending(call, rs, grace)
     ended = (rs.abort_remote() if killed else []) if rs.remote else None
-    after = _after_stop_text(killed, grace, auto_restart, ended, rs)
+    after = _after_stop_text(killed, torn, grace, auto_restart, ended, rs)
     if call.outcome == TIMEOUT:
         error: BaseException = DistTimeoutError(
             f"{ranks_phrase(waiting)} still running after {call.timeout:g} s; {after}", waiting)
@@ -162,8 +180,17 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
     return Verdict(error=error, broken=bool(killed))
 
 
-def _stop_pending(call: Call, rs: RankSet, grace: float) -> List[int]:
-    """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks.
+def lost_results(call: Call, when: str) -> GroupInterrupted:
+    """The error of a call interrupted after every rank replied (``when``: "while ..."): the
+    ranks are idle and keep their variables; only the results of this call are gone."""
+    return GroupInterrupted(f"interrupted {when}: the ranks had finished the call and the group "
+                            "is still usable (variables on the ranks are kept), but this call's "
+                            "results are lost; run it again.")
+
+
+def _stop_pending(call: Call, rs: RankSet, grace: float):
+    """SIGINT the ranks still busy, wait ``grace``, kill the rest; return the killed ranks and,
+    among them, those whose channel was torn.
 
     A rank whose channel holds half a message (the interrupt hit mid-send or mid-read) cannot be
     talked to any more: it is killed at once. A second interrupt cuts the grace short.
@@ -187,10 +214,10 @@ def _stop_pending(call: Call, rs: RankSet, grace: float) -> List[int]:
     for rank in rs.ranks:
         if rank.state == "busy":
             rank.state = "idle"
-    return killed
+    return killed, sorted(torn)
 
 
-def _after_stop_text(killed: List[int], grace: float, auto_restart: bool,
+def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_restart: bool,
                      ended: Optional[List[int]], rs: RankSet) -> str:
     if not killed:
         return "stopped on SIGINT; the group is still usable."
@@ -198,9 +225,17 @@ def _after_stop_text(killed: List[int], grace: float, auto_restart: bool,
         "call restart() to bring it back"
     if ended is not None:  # an attached group: the others were told to exit
         how = _attached_advice([r for r in ended if r not in killed], rs)
-    return (f"{ranks_phrase(killed)} did not react within {grace:g} s (blocked inside a "
-            f"collective?) and {'were' if len(killed) > 1 else 'was'} killed; the group is "
-            f"broken: {how}.")
+    stuck = [r for r in killed if r not in torn]
+    why = []
+    if torn:
+        many = len(torn) > 1
+        why.append(f"{ranks_phrase(torn)} {'were' if many else 'was'} killed: the interrupt came "
+                   f"while {'their' if many else 'its'} request was half sent (or a reply half "
+                   "read), and a torn channel cannot carry another message")
+    if stuck:
+        why.append(f"{ranks_phrase(stuck)} did not react within {grace:g} s (blocked inside a "
+                   f"collective?) and {'were' if len(stuck) > 1 else 'was'} killed")
+    return f"{'; '.join(why)}; the group is broken: {how}."
 
 
 def _deaths(call: Call, rs: RankSet) -> RankDiedError:
@@ -247,26 +282,37 @@ def _attached_advice(ended: List[int], rs: RankSet) -> str:
 def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
     results: List[Any] = []
     failures: Dict[int, RemoteFailure] = {}
-    for r in sorted(call.replies):
-        status, body, paths = call.replies[r]
-        if status != "ok":
-            failures[r] = failure_from(body)
-            rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
-            results.append(None)
-            continue
-        with pool.claiming() as claimed:
-            try:
-                results.append(serialize.loads(body))
+    todo = sorted(call.replies)
+    claimed: List[str] = []  # the pooled segments unpickled so far of the reply being read
+    try:
+        while todo:
+            r = todo[0]
+            status, body, paths = call.replies[r]
+            if status != "ok":
+                failures[r] = failure_from(body)
+                rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
+                results.append(None)
+                todo.pop(0)
                 continue
-            except Exception as err:  # noqa: BLE001 -- e.g. a class only the ranks can import
-                # Segments rebuilt before the failure are given back by their tensors' finalizers;
-                # those never reached must be given back here, or the rank never reuses them.
-                rs.release(r, [p for p in paths or () if p not in claimed])
-                failures[r] = RemoteFailure(
-                    r, type(err).__name__, f"the result of rank {r} could not be unpickled "
-                    f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
-        results.append(None)
-    rs.relay.drain(flush_partial=True)
+            with pool.claiming() as claimed:
+                try:
+                    results.append(serialize.loads(body))
+                except Exception as err:  # noqa: BLE001 -- e.g. a class only the ranks import
+                    # Segments rebuilt before the failure are given back by their tensors'
+                    # finalizers; those never reached must be given back here, or the rank
+                    # never reuses them.
+                    rs.release(r, [p for p in paths or () if p not in claimed])
+                    failures[r] = RemoteFailure(
+                        r, type(err).__name__, f"the result of rank {r} could not be unpickled "
+                        f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
+                    results.append(None)
+            todo.pop(0)
+        rs.relay.drain(flush_partial=True)
+    except KeyboardInterrupt:  # every rank replied: only these results are lost, not the group
+        for i, r in enumerate(todo):  # segments of replies never unpickled go back to the ranks
+            rs.release(r, [p for p in call.replies[r][2] or () if i or p not in claimed])
+        return Verdict(error=lost_results(
+            call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
         failure.where = getattr(rs[r].process, "where", "")
     if failures:

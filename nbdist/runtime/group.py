@@ -11,18 +11,18 @@ The group alone writes its state (ready, busy, broken, stopped); threads: :mod:`
 """
 from __future__ import annotations
 
-import contextvars
 import itertools
 import secrets
 import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
-from ..errors import GroupClosedError
+from ..errors import GroupBusyError, GroupClosedError
 from ..wire import segments
 from ..wire.relay import Sink
 from . import imports, requests
-from .calls import Call, settle
+from .calls import Call
 from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
+from .dispatch import Dispatch
 from .jobs import Job
 from .launcher import Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
@@ -31,7 +31,11 @@ from .ranks import Rank, RankSet
 from .status import GroupStatus, check_options, collect_status, generation_note
 
 
-class Group:
+#: Seconds ``stop(timeout)`` waits, once it killed what it could, for the thread holding the group.
+STOP_WAIT = 5.0
+
+
+class Group(Dispatch):
     """A persistent group of ``world_size`` worker processes with torch.distributed initialised.
 
     Args:
@@ -69,7 +73,8 @@ class Group:
         self._ranks: List[Rank] = []  # the current (or last) ranks, for status()
         self._rs: Optional[RankSet] = None  # the running ranks as a call sees them
         self._state = "new"
-        self._stop_requested = False
+        self._stop_requested = False  # by stop() from another thread; see stop()
+        self._launching = False  # the holder of the lock is starting ranks
         self._job: Optional[Job] = None  # the last background job (running or not)
         self._last_call: Optional[Call] = None
         self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
@@ -120,14 +125,32 @@ class Group:
 
     # ---- lifecycle ----------------------------------------------------------------------------
     def _launch(self) -> None:
+        stopped = ("this group was stopped (stop() from another thread) while it was starting "
+                   "ranks; nothing was left running. Start a new group, or restart() this one.")
         try:
+            if self._stop_requested:
+                raise GroupClosedError(stopped)
             say_once(self._choice.note)
-            self._inc = Incarnation(self.id, self._launcher, self._choice, self._opts, self._out)
-        except BaseException:
-            self._state = "broken"
-            raise
+            self._launching = True  # stop() from another thread may close the launcher now
+            try:
+                self._inc = Incarnation(self.id, self._launcher, self._choice, self._opts,
+                                        self._out)
+            finally:
+                self._launching = False
+        except BaseException as err:
+            if not self._stop_requested:
+                self._state = "broken"
+                raise
+            self._state, self._stop_requested = "stopped", False  # the stop is done
+            if isinstance(err, GroupClosedError):
+                raise
+            raise GroupClosedError(stopped) from err
         self._ranks, self._rs, self._choice = self._inc.rs.ranks, self._inc.rs, self._inc.choice
         self._state, self._preloaded = "ready", set()
+        if self._stop_requested:  # it came while these ranks started: they go at once
+            self._shutdown()
+            self._state, self._stop_requested = "stopped", False
+            raise GroupClosedError(stopped)
 
     @property
     def dedupe_output(self) -> bool:
@@ -160,30 +183,45 @@ class Group:
         with self._lock:
             self._configure(**changes)  # validate before stopping anything
             self._shutdown()
-            self._stop_requested = False
+            self._job = None  # if it still runs, its ranks are gone: it ends by itself
             self._launch()
         return self
 
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop every worker (process groups destroyed first) and release all resources.
 
-        ``timeout``: how long to wait for a call running in another thread to finish. After it,
-        that call's ranks are killed; the call then raises :class:`GroupClosedError` in its own
-        thread, which releases everything, and this method waits up to 5 s for that.
+        ``timeout``: how long to wait for another thread that holds the group (a call, a start).
+        After it, that call's ranks are killed -- the call then raises :class:`GroupClosedError`
+        in its own thread, which releases everything -- or a start in progress is told to give up
+        (an attached group waiting for torchrun's next generation stops waiting); this method
+        waits up to :data:`STOP_WAIT` s more for that, then raises :class:`GroupBusyError`
+        saying what it could not stop: the stop stays recorded, and that thread stops the group
+        as soon as it is done. Either way, nothing is left running silently.
         """
         if self._job is not None:  # a background job still running: interrupted first
             self._job.end(self._opts["grace"] + 10.0)
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            self._stop_requested = True
+            self._stop_requested = True  # the thread holding the group checks it at each step
             rs = self._rs
             if rs is not None:
                 rs.kill(range(len(rs.ranks)))  # handles stay with the call's thread
-            if not self._lock.acquire(timeout=5.0):
-                return  # that thread is wedged outside nbdist; its ranks are dead already
+                doing = f"running '{getattr(self._last_call, 'what', 'a call')}', whose ranks " \
+                        "were killed"
+            elif self._launching:  # an attached group's wait for torchrun's next generation
+                self._launcher.close()  # ends as its launcher closes
+                doing = "starting ranks"
+            else:
+                doing = "stopping ranks"
+            if not self._lock.acquire(timeout=STOP_WAIT):
+                raise GroupBusyError(
+                    f"stop(timeout={timeout:g}) could not stop the group: another thread still "
+                    f"holds it {STOP_WAIT:g} s later ({doing}). The stop is recorded: that thread "
+                    "stops the group as soon as it is done; call stop() again to wait for it.")
         try:
             if self._state != "stopped":
                 self._shutdown()
                 self._state = "stopped"
+            self._stop_requested = False
             self._launcher.close()  # an attached group stops listening for restarted ranks
         finally:
             self._lock.release()
@@ -210,6 +248,7 @@ class Group:
             self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
         self._shutdown()
         self._state = "stopped" if self._stop_requested else "broken"
+        self._stop_requested = False  # a stop from another thread is done
 
     # ---- calls --------------------------------------------------------------------------------
     def run(self, fn: Callable, *args, **kwargs) -> List[Any]:
@@ -289,100 +328,6 @@ class Group:
     @property
     def _prefix(self) -> str:
         return segments.shm_prefix(self.id, "c")
-
-    def _check_usable(self) -> None:
-        if self.job is not None:
-            raise self.job.busy_error()
-        if self._state == "stopped":
-            raise GroupClosedError("this group was stopped; start a new one with nbdist.start() "
-                                   "or call restart() on it.")
-        if self._state == "broken":
-            if self._launcher.can_relaunch(self._opts["auto_restart"]):
-                self._shutdown()
-                self._launch()
-                return
-            raise GroupClosedError("this group is broken after an earlier failure (see the error "
-                                   f"above); {self._launcher.broken_advice}")
-
-    def _begin(self, req: requests.Request, ranks, timeout) -> Call:
-        """Under the lock: check, make the call, mark busy (nothing sent yet)."""
-        targets = requests.targets(ranks, self.world_size)
-        self._check_usable()
-        timeout = requests.check_timeout(timeout if timeout is not None
-                                         else self._opts["call_timeout"])
-        call = self._last_call = Call(next(self._seq), req.kind, req.payload, targets, timeout,
-                                      req.what)
-        self._inc.relay.context = contextvars.copy_context()
-        self._out.begin(call)
-        self._state = "busy"
-        return call
-
-    def _send(self, call: Call) -> None:
-        try:
-            call.send(self._rs)
-        except BaseException:
-            self._teardown()
-            raise
-
-    def _end(self, call: Call) -> List[Any]:
-        """Under the lock, once the call's outcome is known: the one teardown policy, applied."""
-        try:
-            verdict = settle(call, self._rs, self._opts["grace"], self._opts["auto_restart"],
-                             self.world_size)
-        except BaseException:
-            self._teardown()  # something unforeseen mid-call: no channel can be trusted
-            raise
-        finally:  # what the call printed: held lines, the summary of repeated ones
-            self._out.finish(call, getattr(self._inc, "relay", None))
-        if verdict.broken or self._stop_requested:
-            self._teardown()
-        else:
-            self._state = "ready"
-        if self._stop_requested:
-            raise GroupClosedError(
-                f"this group was stopped (stop() from another thread) while '{call.what}' ran "
-                "on its ranks; they were killed. Start a new group, or restart() "
-                "this one.") from verdict.error
-        if verdict.error is not None:
-            raise verdict.error
-        return verdict.results
-
-    def _call(self, req: requests.Request, ranks, timeout) -> List[Any]:
-        try:
-            with self._lock:
-                call = self._begin(req, ranks, timeout)
-                self._send(call)
-                try:
-                    call.wait(self._rs)
-                except BaseException:
-                    self._teardown()
-                    raise
-                return self._end(call)
-        finally:
-            segments.remove_segments(req.segments)
-
-    def _submit(self, req: requests.Request, ranks, timeout, name: str) -> Job:
-        with self._lock:
-            try:
-                call = self._begin(req, ranks, timeout)
-            except BaseException:
-                segments.remove_segments(req.segments)
-                raise
-            rs = self._rs
-
-            def finish() -> List[Any]:
-                try:
-                    call.wait(rs, tick=0.1)  # no lock held: status() and other cells go on
-                    with self._lock:
-                        if self._rs is not rs and self._rs is not None:  # never settle new ranks
-                            raise GroupClosedError("the group was restarted while this job ran")
-                        return self._end(call)
-                finally:
-                    segments.remove_segments(req.segments)
-
-            job = self._job = Job(name, call, finish)  # before sending: it keeps the output
-            self._send(call)
-            return job.start()
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:

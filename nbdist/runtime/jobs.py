@@ -36,6 +36,7 @@ class Job:
         self.started = time.time()
         self.ended: Optional[float] = None
         self._finish = finish
+        self._launched = False
         self._done = threading.Event()
         self._results: Optional[List[Any]] = None
         self._error: Optional[BaseException] = None
@@ -44,9 +45,15 @@ class Job:
                                         name=f"nbdist-job-{name}", daemon=True)
 
     def start(self) -> "Job":
-        """Start waiting for the ranks (the request was already sent)."""
-        STARTED.append(self)
-        self._thread.start()
+        """Start waiting for the ranks (the request was already sent). Idempotent: the group
+        calls it again if a Ctrl-C landed in the first call, so that the job always ends."""
+        if not self._launched:
+            try:
+                self._thread.start()
+            except RuntimeError:  # started by the call a Ctrl-C cut short
+                pass
+            self._launched = True
+            STARTED.append(self)
         return self
 
     def _run(self) -> None:

@@ -5,17 +5,22 @@ and shown -- with repeats folded (:mod:`nbdist.wire.repeats`), as written, or ha
 Threads: :meth:`RankOutput.line` and :meth:`RankOutput.tick` run on the relay thread, in the context
 of the call that was running (so the lines land in its cell); :meth:`RankOutput.begin` and
 :meth:`RankOutput.finish` run on the thread of the call (the caller's, or a job's). One lock keeps
-the folder consistent between them.
+the folder consistent between them. The user's ``output=`` sink is never called on the relay
+thread: its lines queue for a thread of their own (:class:`SinkThread`, ``nbdist-sink``), so a slow
+or blocked sink never delays the relay -- which reads the lifelines that tell of a death -- and
+:meth:`RankOutput.finish` waits until the call's lines were handed over before its value returns.
 
 Ranks of a group that spans several nodes (attached: torchrun's ``GROUP_RANK``, srun's
 ``SLURM_NODEID``) are labelled with their node where one rank is named: ``[rank 3, node 1]``.
 """
 from __future__ import annotations
 
+import collections
+import contextvars
 import sys
 import threading
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Deque, Dict, List, Optional
 
 from ..wire.relay import OutputRelay, Sink, default_sink
 from ..wire.repeats import RepeatFolder, Shown
@@ -40,6 +45,7 @@ class RankOutput:
         self._lock = threading.Lock()
         self._call: Optional[Call] = None
         self._folder: Optional[RepeatFolder] = None
+        self._to_user = SinkThread()
         self.dedupe = dedupe
 
     @property
@@ -57,7 +63,7 @@ class RankOutput:
         """``call`` starts: its output is kept on it, and folded if :attr:`dedupe` is on and the
         output goes to nbdist's own display, not to a sink of the user's."""
         if self._folder is not None and self._call is not None:
-            self.finish(self._call, None)  # the last call ended without finishing (an error)
+            self.finish(self._call, None, wait=False)  # the last call ended without finishing
         with self._lock:
             self._call = call
             fold = self._dedupe and self._user_sink() is None
@@ -71,7 +77,7 @@ class RankOutput:
             call.add_output(rank, text)
         sink = self._user_sink()
         if sink is not None:
-            sink(rank, stream, text)
+            self._to_user.put(sink, rank, stream, text)
             return
         with self._lock:
             if self._folder is None:
@@ -91,11 +97,14 @@ class RankOutput:
             _write(self._labelled(self._folder.due(now)))
             return self._folder.next_due(now)
 
-    def finish(self, call: Call, relay: Optional[OutputRelay]) -> None:
+    def finish(self, call: Call, relay: Optional[OutputRelay], wait: bool = True) -> None:
         """``call`` ended: relay what has arrived, show what is still held, then the summary of
-        what was folded. Lines that arrive later are shown as they come."""
+        what was folded. Lines that arrive later are shown as they come. ``wait``: until the
+        user's sink got every line so far (not for a death: its report does not wait on a sink)."""
         if relay is not None:
             relay.drain(flush_partial=True)
+        if wait:
+            self._to_user.wait()
         with self._lock:
             if self._call is not call or self._folder is None:
                 return
@@ -122,6 +131,55 @@ class RankOutput:
                 if len(item.ranks) == 1 and item.ranks[0] in nodes:
                     item.label = f"{item.label}, node {nodes[item.ranks[0]]}"
         return shown
+
+
+class SinkThread:
+    """Hands lines to the user's sink on a thread of its own (``nbdist-sink``), in order, each in
+    the context it was relayed in (so it lands in its call's cell). The thread ends after
+    :attr:`IDLE_S` seconds without a line; the next line starts it again."""
+
+    IDLE_S = 1.0
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._lines: Deque[tuple] = collections.deque()
+        self._queued = self._delivered = 0
+        self._thread: Optional[threading.Thread] = None
+
+    def put(self, sink: Sink, rank: int, stream: str, text: str) -> None:
+        """Queue a line for ``sink`` (any thread; never waits for the sink)."""
+        with self._cond:
+            self._lines.append((contextvars.copy_context(), sink, rank, stream, text))
+            self._queued += 1
+            self._cond.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._deliver, name="nbdist-sink",
+                                                daemon=True)
+                self._thread.start()
+
+    def wait(self) -> None:
+        """Until every line queued so far went to its sink (a sink that blocks: as long)."""
+        with self._cond:
+            if threading.current_thread() is not self._thread:  # a sink making a call: no wait
+                target = self._queued
+                self._cond.wait_for(lambda: self._delivered >= target)
+
+    def _deliver(self) -> None:
+        while True:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._lines, self.IDLE_S):
+                    self._thread = None
+                    return
+                context, sink, rank, stream, text = self._lines.popleft()
+            try:
+                context.run(sink, rank, stream, text)
+            except Exception as err:  # noqa: BLE001 -- a broken sink must not stop the others
+                sys.__stderr__.write(f"nbdist: output sink failed ({err!r}); rank {rank}: "
+                                     f"{text}\n")
+            finally:
+                with self._cond:
+                    self._delivered += 1
+                    self._cond.notify_all()
 
 
 def rank_nodes(ranks) -> Dict[int, str]:

@@ -60,7 +60,12 @@ def select_exits(sel: selectors.BaseSelector, polled: Dict[int, Any],
 
 
 class LocalProcess:
-    """A worker nbdist started (a ``multiprocessing.Process``)."""
+    """A worker nbdist started (a ``multiprocessing.Process``).
+
+    Any thread may ask for its ``exit_status`` or ``kill()`` it while the group's thread
+    :meth:`release` s it: each reads the handle once, and a handle released meanwhile means the
+    exit status is known (``release`` records it first).
+    """
 
     def __init__(self, process):
         self._process = process
@@ -71,24 +76,33 @@ class LocalProcess:
     @property
     def exit_status(self) -> Optional[ExitStatus]:
         """``None`` while the process runs; its :class:`ExitStatus` after."""
-        if self._status is None:
-            code = self._process.exitcode
-            if code is not None:
+        process = self._process  # once: release() may clear it from another thread
+        if self._status is None and process is not None:
+            try:
+                code = process.exitcode
+            except ValueError:  # closed by release() meanwhile, which recorded the status
+                code = None
+            if code is not None and self._status is None:
                 self._status = ExitStatus(code)
         return self._status
 
     def kill(self) -> None:
         """SIGKILL the process (safe from any thread, and after it exited)."""
-        if self._status is None:
+        process = self._process
+        if self._status is None and process is not None:
             try:
-                self._process.kill()
-            except (OSError, ValueError, AttributeError):
-                pass  # already reaped and closed
+                process.kill()
+            except (OSError, ValueError):
+                pass  # reaped and closed meanwhile
 
     def join(self, timeout: Optional[float] = None) -> None:
         """Wait for the process to exit."""
-        if self._status is None:
-            self._process.join(timeout)
+        process = self._process
+        if self._status is None and process is not None:
+            try:
+                process.join(timeout)
+            except ValueError:
+                pass  # released meanwhile: it has exited
 
     def expect_exit(self) -> None:
         """Nothing to note: the exit code says how it ended."""

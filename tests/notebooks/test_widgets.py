@@ -167,6 +167,35 @@ def test_launcher_table_follows_a_running_call(shared_group, panels):
                 and t is thread]
 
 
+@pytest.mark.timeout(60)
+def test_launcher_status_thread_shows_a_failed_refresh_and_goes_on(shared_group, panels,
+                                                                   monkeypatch):
+    """Was: one error in a refresh (status() during a stop, issue 25) ended the thread for good."""
+    nbdist.use_group(shared_group)
+    ui = panels(launcher, refresh_interval=0.05)
+    broken = threading.Event()
+    broken.set()
+    real = type(shared_group).status
+
+    def status(group):
+        if broken.is_set():
+            raise AttributeError("'NoneType' object has no attribute 'exitcode'")
+        return real(group)
+
+    monkeypatch.setattr(type(shared_group), "status", status)
+    deadline = time.monotonic() + 20
+    while "nbdist-refresh-error" not in ui._table.value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "refreshing the status failed: AttributeError: &#x27;NoneType&#x27; object has no " \
+           "attribute &#x27;exitcode&#x27;; trying again" in ui._table.value
+    assert "nbdist-ranks" in ui._table.value  # the last table read stays shown
+    broken.clear()
+    while "nbdist-refresh-error" in ui._table.value and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert "nbdist-refresh-error" not in ui._table.value and ui._thread.is_alive()
+    assert states(ui) == ["idle", "idle"]
+
+
 @pytest.mark.timeout(90)
 def test_launcher_shows_a_running_job_and_restart_interrupts_it(panels):
     group = nbdist.start(2, backend="gloo", device="cpu", timeout=30)

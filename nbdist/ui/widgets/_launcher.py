@@ -32,7 +32,8 @@ class Launcher(Panel):
     Every option is a validated trait: ``launcher.backend = "nccl"`` raises ``TraitError`` with the
     reason where NCCL can't be used, and choosing it in the dropdown shows that reason in the panel
     and keeps the previous choice. A background thread refreshes the status table every
-    ``refresh_interval`` seconds until :meth:`close`.
+    ``refresh_interval`` seconds until :meth:`close`; a refresh that fails leaves the last table
+    with the error under it, and the next one tries again.
     """
 
     world_size = Int(2, min=1, help="number of ranks")
@@ -111,6 +112,7 @@ class Launcher(Panel):
             self._feedback,
         ]
         self._lock = threading.Lock()
+        self._last_table = ""  # the table of the last refresh that worked
         self._closed = threading.Event()
         self.refresh()
         self._thread = threading.Thread(target=self._watch, name="nbdist-launcher-status",
@@ -247,7 +249,8 @@ class Launcher(Panel):
             running = group is not None and group.state != "stopped"
             self.status = group.status() if running else None
             refusal = restart_refusal(group) if running else None
-            self._table.value = self._render(group if running else None, refusal)
+            self._table.value = self._last_table = self._render(group if running else None,
+                                                                refusal)
             self.buttons["start"].disabled = running
             self.buttons["stop"].disabled = not running
             self.buttons["restart"].disabled = not running or bool(refusal)
@@ -285,7 +288,18 @@ class Launcher(Panel):
 
     def _watch(self) -> None:
         while not self._closed.wait(self.refresh_interval):
-            self.refresh()
+            try:
+                self.refresh()
+            except Exception as err:  # noqa: BLE001 -- shown under the table; the next one retries
+                self._show_refresh_error(err)
+
+    def _show_refresh_error(self, err: Exception) -> None:
+        """Keep the last table read, with what went wrong under it (until a refresh succeeds)."""
+        note = (f"<div class='nbdist-refresh-error' style='color:#b00020'>refreshing the status "
+                f"failed: {html.escape(f'{type(err).__name__}: {err}')}; trying again every "
+                f"{self.refresh_interval:g} s</div>")
+        with self._lock:
+            self._table.value = self._last_table + note
 
     def close(self) -> None:
         """Stop the status thread and close the panel (the group keeps running)."""
