@@ -17,6 +17,7 @@ from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
 from .base import (JOBS, NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure,
                    _started, check_ranks, job_name, register_magics, split_statement, usage)
+from .syntax import check_cell, check_statement
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
@@ -43,6 +44,7 @@ class DistMagics(NbdistMagics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self._autodist: Optional[str] = None  # the %%dist options while %autodist is on
+        self._autodist_body: Optional[str] = None  # the code of the last cell autodist wrapped
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @line_magic
@@ -131,8 +133,9 @@ class DistMagics(NbdistMagics):
 
         Each rank runs it in its own namespace, which persists across cells and starts with
         torch, dist, rank, world_size and device. What the ranks print appears labelled by rank;
-        the value of the last expression is shown per rank. In the one-line form, end the options
-        with -- when the statement itself starts with --.
+        the value of the last expression is shown per rank. In the one-line form the options go
+        before the statement (end them with -- when the statement itself starts with --); code
+        that does not compile is shown as in a local cell, and nothing runs.
 
         Quiet ranks: a line that several ranks print shows once, labelled with their ranks
         ([ranks 0-3] ...), and a line a rank prints again (a warning every step) is not shown
@@ -147,8 +150,10 @@ class DistMagics(NbdistMagics):
             if not cell:
                 raise UsageError("%dist needs a statement to run on the ranks, e.g. "
                                  f"%dist print(rank)\n{usage(self.dist)}")
+            check_statement(self.shell, self.dist, cell)
         else:
             args = self.parse(self.dist, line)
+            check_cell(self.shell, cell, from_autodist=cell == self._autodist_body)
         if args.bg is not None and args.trace:
             raise UsageError(f"--trace and --bg do not go together (a trace is shown when "
                              f"the cell ends)\n{usage(self.dist)}")
@@ -271,8 +276,10 @@ class DistMagics(NbdistMagics):
 
     def _autodist_transform(self, lines: List[str]) -> List[str]:
         first = next((line.lstrip() for line in lines if line.strip()), "")
+        self._autodist_body = None
         if self._autodist is None or not first or first.startswith(("%", "!")):
             return lines
+        self._autodist_body = "".join(lines)  # the %%dist line added: the code starts on line 1
         return [f"%%dist {self._autodist}\n"] + lines
 
     _autodist_transform.has_side_effects = True  # keeps IPython's is-complete check unaffected
