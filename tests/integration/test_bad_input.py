@@ -110,8 +110,13 @@ def test_push_of_an_unpicklable_value(g):
 
 
 def test_push_with_a_bad_name(g):
-    with pytest.raises(ValueError, match="push\\(\\) names must be valid identifiers, got 'a b'"):
+    with pytest.raises(ValueError, match="push\\(\\) names must be variable names, got 'a b'"):
         g.push({"a b": 1})
+    with pytest.raises(ValueError, match="got 'class' \\(a Python keyword\\)"):
+        g.push({"class": 1})
+    with pytest.raises(ValueError, match="pull\\(\\) takes variable names, got 'for' "
+                                         "\\(a Python keyword\\)"):
+        g.pull("for")
     _still_usable(g)
 
 

@@ -77,6 +77,11 @@ USAGE_ERRORS = [
     ("autodist", "--ranks 5", "--ranks 5: the group has ranks 0..1"),
     ("autodist", "--timeout inf", "expected a positive number of seconds, e.g. 30; got 'inf'"),
     ("dist_pull", "1x", "pull() takes variable names, got '1x'"),
+    ("dist", "--bg for rank", "argument --bg: expected a variable name for the job, e.g. train; "
+     "got 'for' (a Python keyword: no code could use a variable of that name)"),
+    ("dist", "--bg 2x rank", "argument --bg: expected a variable name for the job, e.g. train; "
+     "got '2x'"),
+    ("dist_pull", "None", "pull() takes variable names, got 'None' (a Python keyword)"),
 ]
 
 

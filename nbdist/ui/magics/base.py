@@ -15,6 +15,7 @@ from IPython.display import display
 
 from ...runtime.group import Group, current_group
 from ...runtime.jobs import STARTED
+from ...runtime.requests import is_variable_name, keyword_note
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
@@ -133,11 +134,13 @@ JOBS = STARTED  #: the jobs started in this kernel, oldest first (``%%dist --bg`
 
 
 def job_name(text: str) -> str:
-    """``--bg NAME``: a Python identifier (the job is also stored in that variable); plain
-    ``--bg`` gives ``""``: no variable."""
-    if text and not text.isidentifier():
+    """``--bg NAME``: a variable name, not a keyword (the job is also stored in that variable);
+    plain ``--bg`` gives ``""``: no variable."""
+    if text and not is_variable_name(text):
+        why = " (a Python keyword: no code could use a variable of that name)" \
+            if keyword_note(text) else ""
         raise argparse.ArgumentTypeError(f"expected a variable name for the job, e.g. train; "
-                                         f"got {text!r}")
+                                         f"got {text!r}{why}")
     return text
 
 
