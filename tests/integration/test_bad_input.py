@@ -83,6 +83,20 @@ def test_syntax_error_shows_the_line_without_a_round_trip(g):
     _still_usable(g)
 
 
+@pytest.mark.parametrize("code", ["input('name? ')", "import sys; sys.stdin.read()",
+                                  "import sys; next(iter(sys.stdin))"])
+def test_reading_stdin_on_a_rank_says_there_is_none_and_what_to_do(g, code):
+    with pytest.raises(nbdist.RemoteError) as info:
+        g.exec(code)
+    assert info.value.ranks == [0, 1]
+    failure = info.value.failures[1]
+    assert failure.type_name == "EOFError"  # what code that handles the end of input expects
+    assert "rank 1 has no stdin: input() and sys.stdin cannot read from the notebook" in \
+        failure.message
+    assert "%dist_push name (or g.push(name=value))" in failure.message
+    _still_usable(g)
+
+
 def test_exec_needs_a_string(g):
     with pytest.raises(TypeError, match="source must be a str of Python code, got bytes"):
         g.exec(b"1")
