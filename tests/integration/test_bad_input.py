@@ -163,6 +163,20 @@ def test_user_code_raising_systemexit_does_not_stop_a_rank(g):
     _still_usable(g)
 
 
+def test_a_benchmark_size_that_cannot_fit_is_refused_before_anything_is_sent(g):
+    from nbdist import bench
+
+    with pytest.raises(ValueError) as info:
+        bench.collectives(g, ops="all_reduce,all_to_all", sizes="4K,1024G", progress=False)
+    message = str(info.value)
+    assert "the largest size, 1024 GiB, does not fit in memory: all_to_all at that size needs " \
+           "about" in message, message
+    assert "GiB available" in message and "Use sizes up to" in message, message
+    with pytest.raises(ValueError, match="a size must be a positive number of bytes, got '-4K-1M'"):
+        bench.collectives(g, sizes="-4K-1M", progress=False)
+    _still_usable(g)
+
+
 def test_call_on_a_stopped_group():
     group = nbdist.start(2)
     group.stop()

@@ -27,6 +27,12 @@ BAD = [
     ("dist_bench", "--iters 0", "argument --iters: expected a positive int, got '0'"),
     ("dist_bench", "--warmup -1", "argument --warmup: expected an int of at least 0, got '-1'"),
     ("dist_bench", "--warmup many", "argument --warmup: expected an int of at least 0, got 'many'"),
+    ("dist_bench", "--sizes -4K", "argument --sizes: a size must be a positive number of bytes, "
+     "got '-4K'"),
+    ("dist_bench", "--sizes=-4K,1M", "argument --sizes: a size must be a positive number of "
+     "bytes, got '-4K'"),
+    ("dist_bench", "--sizes 4K-1K", "argument --sizes: the size range '4K-1K' goes down"),
+    ("dist_bench", "--sizes 1024G", "the largest size, 1024 GiB, does not fit in memory"),
 ]
 
 

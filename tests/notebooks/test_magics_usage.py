@@ -71,6 +71,8 @@ USAGE_ERRORS = [
     ("dist_pull", "--rank -1 rank", "argument --rank: expected a rank number, e.g. 0; got '-1'"),
     ("dist", "--timeout nan rank", "expected a positive number of seconds, e.g. 30; got 'nan'"),
     ("dist", "--timeout inf rank", "expected a positive number of seconds, e.g. 30; got 'inf'"),
+    ("dist", "--timeout -1e3 rank", "argument --timeout: expected a positive number of seconds, "
+     "e.g. 30; got '-1e3'"),  # a value that starts with a minus is still the option's value
     ("dist_start", "--timeout 1e999", "expected a positive number of seconds, e.g. 30; got '1e9"),
     ("dist_restart", "--timeout nan", "expected a positive number of seconds, e.g. 30; got 'nan'"),
     ("dist_restart", "--device tpu", "device must be 'auto' or one of"),

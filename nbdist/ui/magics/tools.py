@@ -8,8 +8,8 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _strategy_list,
-                   _world_sizes, register_magics, usage)
+from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _sizes,
+                   _strategy_list, _world_sizes, register_magics, usage)
 
 
 @register_magics
@@ -91,7 +91,8 @@ class BenchMagics(NbdistMagics):
     @argument("--ops", default="all_reduce,all_gather,broadcast,barrier", metavar="OP[,OP...]",
               help="all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, "
                    "barrier, send_recv")
-    @argument("--sizes", default="4K-16M", metavar="RANGE", help="e.g. 4K-64M or 1K,1M")
+    @argument("--sizes", type=_sizes, default="4K-16M", metavar="RANGE",
+              help="e.g. 4K-64M or 1K,1M")
     @argument("--iters", type=_positive(int), default=10,
               help="measured iterations per point (10)")
     @argument("--warmup", type=_at_least_zero, default=3, help="unmeasured iterations first (3)")
