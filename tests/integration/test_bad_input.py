@@ -40,6 +40,10 @@ START_CASES = [
     (dict(backend=5), TypeError, "backend must be a string"),
     (dict(timeout=-1), ValueError, "timeout must be a positive number of seconds, got -1"),
     (dict(timeout="soon"), ValueError, "timeout must be a positive number"),
+    (dict(timeout=0.0001), ValueError, r"timeout must be at least 1 s \(the ranks' rendezvous and "
+     r"every collective must finish within it\), got 0.0001"),
+    (dict(init_timeout=0.5), ValueError, r"init_timeout must be at least 1 s \(the ranks need "
+     r"longer than that to start\), got 0.5"),
     (dict(threads=0), ValueError, "threads must be a positive int"),
     (dict(call_timeout=0), ValueError, "call_timeout must be a positive number"),
 ]
@@ -154,6 +158,10 @@ def test_restart_with_unknown_or_bad_options_keeps_the_running_group(g):
         g.restart(worldsize=3)
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         g.restart(world_size=0)
+    with pytest.raises(ValueError, match="timeout must be at least 1 s"):
+        g.restart(timeout=0.0001)
+    with pytest.raises(ValueError, match="pass max_world_size= to raise the limit"):
+        g.restart(world_size=10_000)
     _still_usable(g)
 
 

@@ -128,6 +128,9 @@ def test_without_a_group_magics_say_how_to_start_one(shell, no_group, line):
 @pytest.mark.parametrize("line,message", [
     ("--backend bogus", "unknown backend 'bogus'"),
     ("-n 100000", "world_size=100000 is more than this machine runs well on device 'cpu'"),
+    ("-n 100000", "Use a smaller world size, or pass --max-world-size N to raise the limit."),
+    ("--timeout 0.5", "argument --timeout: expected at least 1 s"),
+    ("--threads 0", "argument --threads: expected a positive int, got '0'"),
     ("--device tpu", "device must be 'auto' or one of ['cpu', 'cuda', 'xpu'], got 'tpu'"),
 ])
 def test_start_refuses_what_the_group_refuses(shell, no_group, line, message):

@@ -16,6 +16,7 @@ from IPython.display import display
 from ...report.units import parse_sizes
 from ...runtime.group import Group, current_group
 from ...runtime.jobs import STARTED
+from ...runtime.status import MIN_TIMEOUT, TOO_SHORT
 from ...runtime.requests import is_variable_name, keyword_note
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
@@ -76,6 +77,26 @@ def _seconds(text: str) -> float:
         raise argparse.ArgumentTypeError(
             f"expected a positive number of seconds, e.g. 30; got {text!r}")
     return value
+
+
+def _start_seconds(option: str):
+    """``--timeout`` / ``--init-timeout`` of ``%dist_start`` and ``%dist_restart`` (``option``:
+    ``timeout`` / ``init_timeout``): seconds, at least the runtime's shortest (checked here, so a
+    restart never stops a working group for it)."""
+    def convert(text: str) -> float:
+        value = _seconds(text)
+        if value < MIN_TIMEOUT:
+            raise argparse.ArgumentTypeError(f"expected at least {MIN_TIMEOUT:g} s "
+                                             f"({TOO_SHORT[option]}), e.g. 60; got {text!r}")
+        return value
+
+    convert.__name__ = "seconds"
+    return convert
+
+
+#: how the advice of start() and restart() names their options while a magic runs them
+START_OPTIONS = {"init_timeout": "--init-timeout S", "max_world_size": "--max-world-size N",
+                 "threads": "--threads N", "timeout": "--timeout S"}
 
 
 def _rank(text: str) -> int:

@@ -15,8 +15,10 @@ from IPython.display import publish_display_data
 from ...errors import NbdistError
 from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
-from .base import (JOBS, NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure,
-                   _started, check_ranks, job_name, register_magics, split_statement, usage)
+from ...runtime.advice import option_names
+from .base import (JOBS, START_OPTIONS, NbdistMagics, _positive, _rank, _rank_list, _seconds,
+                   _show_figure, _start_seconds, _started, check_ranks, job_name, register_magics,
+                   split_statement, usage)
 from .syntax import check_cell, check_statement
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
@@ -53,8 +55,14 @@ class DistMagics(NbdistMagics):
               help="number of ranks (2)")
     @argument("--backend", default="auto", metavar="B", help="gloo, nccl, ... (default: auto)")
     @argument("--device", default="auto", metavar="D", help="cpu, cuda or auto")
-    @argument("--timeout", type=_seconds, default=60.0, metavar="S",
+    @argument("--timeout", type=_start_seconds("timeout"), default=60.0, metavar="S",
               help="torch.distributed timeout in seconds (60)")
+    @argument("--init-timeout", type=_start_seconds("init_timeout"), metavar="S",
+              help="how long the ranks may take to start (default: --timeout)")
+    @argument("--threads", type=_positive(int), metavar="N",
+              help="torch threads per rank (default: the cores shared among the ranks)")
+    @argument("--max-world-size", type=_positive(int), metavar="N",
+              help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -65,8 +73,10 @@ class DistMagics(NbdistMagics):
             print(f"nbdist: a group is already running: {current_group()!r}; "
                   "change it with %dist_restart, or %dist_stop it first.")
             return
-        with self._usage(self.dist_start):
-            group = start(args.world_size, args.backend, args.device, args.timeout)
+        with self._usage(self.dist_start), option_names(START_OPTIONS):
+            group = start(args.world_size, args.backend, args.device, args.timeout,
+                          init_timeout=args.init_timeout, threads=args.threads,
+                          max_world_size=args.max_world_size)
         _started.add(group)
         use_group(group)
         self._say_ready(group, "started")
@@ -76,16 +86,22 @@ class DistMagics(NbdistMagics):
     @argument("-n", "--world-size", type=_positive(int), metavar="N", help="new number of ranks")
     @argument("--backend", metavar="B", help="new backend")
     @argument("--device", metavar="D", help="new device")
-    @argument("--timeout", type=_seconds, metavar="S", help="new torch.distributed timeout (s)")
+    @argument("--timeout", type=_start_seconds("timeout"), metavar="S",
+              help="new torch.distributed timeout (s)")
+    @argument("--init-timeout", type=_start_seconds("init_timeout"), metavar="S",
+              help="how long the ranks may take to start (s)")
+    @argument("--threads", type=_positive(int), metavar="N", help="torch threads per rank")
+    @argument("--max-world-size", type=_positive(int), metavar="N",
+              help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
     def dist_restart(self, line: str = "") -> None:
         """Restart the current group with fresh workers; options not given stay as they were.
 
-        Variables on the ranks are lost.
+        Variables on the ranks are lost. Options are checked before the running group stops.
         """
         args = self.parse(self.dist_restart, line)
         changes = {name: value for name, value in vars(args).items() if value is not None}
         group = self.group
-        with self._usage(self.dist_restart):
+        with self._usage(self.dist_restart), option_names(START_OPTIONS):
             group.restart(**changes)
         self._say_ready(group, "restarted")
 
