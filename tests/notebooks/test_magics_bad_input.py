@@ -58,6 +58,8 @@ def test_under_autodist_the_line_numbers_are_the_cells_own(shell, dist_group):
         run(shell, "%autodist")
     assert isinstance(result.error_in_exec.__cause__, SyntaxError)
     assert re.search(r"Cell In\[\d+\], line 2\n\s+second = \(\n", shown(captured))
+    _, captured = run(shell, "%%dist\nfirst = 1\nsecond = (\n")  # typed: the code from line 2
+    assert re.search(r"Cell In\[\d+\], line 3\n\s+second = \(\n", shown(captured))
     usable(dist_group)
 
 

@@ -288,7 +288,7 @@ class DistMagics(NbdistMagics):
         """Turn ``%autodist`` off (nothing happens if it is off)."""
         if self._autodist_transform in self.shell.input_transformers_cleanup:
             self.shell.input_transformers_cleanup.remove(self._autodist_transform)
-        self._autodist = None
+        self._autodist = self._autodist_body = None
 
     def _autodist_transform(self, lines: List[str]) -> List[str]:
         first = next((line.lstrip() for line in lines if line.strip()), "")
