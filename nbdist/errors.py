@@ -58,13 +58,15 @@ class RemoteError(NbdistError):
     Attributes:
         failures: ``{rank: RemoteFailure}`` for every rank that raised, in rank order.
         results: per-rank results where a rank succeeded, ``None`` where it failed.
+        advice: what the failure did to the group and what to do (``""``: the group is usable).
     """
 
     def __init__(self, failures: Dict[int, "RemoteFailure"], results: Optional[List] = None,
-                 world_size: Optional[int] = None):
+                 world_size: Optional[int] = None, advice: str = ""):
         self.failures = dict(sorted(failures.items()))
         self.results = results
         self.world_size = world_size
+        self.advice = advice
         root = self.root_cause
         head = f"{root.type_name} on {ranks_phrase(self.failures)}{_places(self.failures)}: " \
                f"{root.message}"
@@ -73,6 +75,8 @@ class RemoteError(NbdistError):
         self.hint = hint_for(" ".join(f.message for f in self.failures.values()))
         if self.hint:
             head += f"\nnbdist: {self.hint}"
+        if advice:
+            head += f"\nnbdist: {advice}"
         super().__init__(head + "\n\n" + root.traceback.rstrip())
 
     @property
@@ -95,6 +99,8 @@ class RemoteError(NbdistError):
             lines.append(f"(root cause: rank {self.root_cause.rank}, the first failure observed)")
         if self.hint:
             lines.append(f"nbdist: {self.hint}")
+        if self.advice:
+            lines.append(f"\x1b[31mnbdist: {self.advice}\x1b[0m")
         return lines
 
 

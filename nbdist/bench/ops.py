@@ -103,6 +103,31 @@ def setup(op: str, nbytes: int, dtype: torch.dtype, dev: torch.device) -> Case:
     return (count,) + _ping_pong(rank, full(count, rank + 1), full(count, 0))
 
 
+def peak_bytes(op: str, nbytes: int, dtype: str, world_size: int) -> int:
+    """About the most memory :func:`measure` holds on one rank for ``op`` at ``nbytes``: the
+    buffers :func:`setup` allocates, and during the check a float64 copy of the output and its
+    mask (:func:`_all`)."""
+    if op == "barrier":
+        return 0
+    elem = torch.empty((), dtype=getattr(torch, dtype)).element_size()
+    buffers = {"all_to_all": 2.0, "send_recv": 2.0, "all_gather": 1.0 + 1.0 / world_size,
+               "reduce_scatter": 1.0 + 1.0 / world_size}.get(op, 1.0)
+    return int(nbytes * (buffers + 9.0 / elem))  # float64 (8 bytes) and bool (1) per element
+
+
+def free_memory(device: str) -> Tuple[str, int]:
+    """``(where, bytes)`` this rank can allocate its buffers in: free memory of its GPU, or the
+    host's available RAM (shared by the ranks of that host)."""
+    import socket
+
+    if device == "cuda":
+        index = torch.cuda.current_device()
+        return f"{socket.gethostname()} cuda:{index}", torch.cuda.mem_get_info(index)[0]
+    import psutil
+
+    return socket.gethostname(), psutil.virtual_memory().available
+
+
 def _ping_pong(rank: int, mine: torch.Tensor, got: torch.Tensor):
     """Rank 0 sends to rank 1, which sends back; other ranks take no part."""
     if rank == 0:

@@ -11,8 +11,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
 from ..errors import ranks_phrase
 from .records import FIELDS, Records
-from .units import (MiB, bandwidths, format_bytes, parse_ops, parse_size, parse_sizes,
-                    percentile)
+from .units import (GiB, KiB, MiB, bandwidths, format_bytes, parse_ops, parse_size,
+                    parse_sizes, percentile)
 
 DEFAULT_SIZES = "4K-64M"
 """Sizes a sweep uses when none are given (every power of two from 4 KiB to 64 MiB)."""
@@ -103,6 +103,7 @@ def collectives(group, ops: Union[None, str, Sequence[str]] = None,
     meta = dict(dtype=_check_dtype(dtype), iters=_check_count("iters", iters, 1),
                 warmup=_check_count("warmup", warmup, 0), world_size=group.world_size,
                 backend=group.backend, device=group.device)
+    _check_memory(group, names, size_list, meta)
     points = [(op, size) for op in names for size in ([0] if op == "barrier" else size_list)]
     records = Records()
     with _progress(len(points), f"{meta['backend']} x{meta['world_size']}", progress) as bar:
@@ -119,6 +120,48 @@ def collectives(group, ops: Union[None, str, Sequence[str]] = None,
                 records.append(summarize(op, results, **meta))
             bar.update(1)
     return records
+
+
+_USABLE = 0.8  #: the share of a host's available memory a sweep's buffers may take
+
+
+def _check_memory(group, names: Sequence[str], sizes: Sequence[int], meta) -> None:
+    """Refuse sizes whose buffers cannot fit where the ranks run, before any is allocated: one
+    small call asks each rank how much memory it can use (its GPU's, or its host's, shared by
+    the ranks there). A ``ValueError`` names the size, the need and what is available."""
+    from . import ops as rank_ops
+
+    sized = [op for op in names if op != "barrier"]
+    if not sized:
+        return
+    largest, n = max(sizes), meta["world_size"]
+    need, op = max((rank_ops.peak_bytes(o, largest, meta["dtype"], n), o) for o in sized)
+    ranks: Dict[str, int] = {}
+    available: Dict[str, int] = {}
+    for where, free in group.call(rank_ops.free_memory, (meta["device"],)):
+        ranks[where] = ranks.get(where, 0) + 1
+        available[where] = free
+    for where, count in ranks.items():
+        usable = available[where] * _USABLE
+        if need * count <= usable:
+            continue
+        fit = 1 << max(0, int(largest * usable / (need * count)).bit_length() - 1)
+        raise ValueError(
+            f"the largest size, {format_bytes(largest)}, does not fit in memory: {op} at that size "
+            f"needs about {format_bytes(need)} on each rank (its buffers, and a float64 copy to "
+            f"check the result), {format_bytes(need * count)} for the {count} "
+            f"rank{'s' if count > 1 else ''} on {where}, which has "
+            f"{format_bytes(available[where])} available (a sweep uses at most "
+            f"{_USABLE:.0%}). Use sizes up to {format_bytes(fit)} here, e.g. "
+            f"'{_spec(min(4 * KiB, fit))}-{_spec(fit)}'.")
+
+
+def _spec(nbytes: int) -> str:
+    """A power of two as a size spec writes it: ``8 << 30`` -> ``"8G"``."""
+    for unit, size in (("G", GiB), ("M", MiB), ("K", KiB)):
+        if nbytes >= size:
+            return f"{nbytes // size}{unit}"
+    return str(nbytes)
 
 
 def _progress(total: int, desc: str, enabled: bool):

@@ -6,6 +6,7 @@ import io
 from dataclasses import asdict, dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
+import cloudpickle
 import torch
 from torch import nn
 
@@ -183,6 +184,11 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
             :mod:`nbdist.memory.pipeline`): ``schedule``, ``microbatches``, ``split``,
             ``stages_per_rank``, and ``batch`` is the whole pipeline's batch.
     """
+    problem = model_fn_problem(model_fn)
+    if problem is not None:
+        raise TypeError(f"model_fn {problem}; pass a function the ranks call with no arguments "
+                        "to build the model (an nn.Module), e.g. one defined in the notebook "
+                        "or functools.partial(nbdist.memory.mlp, 4, 2236)")
     for name in strategies:
         _strategies.get_strategy(name)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
@@ -210,6 +216,22 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
                 rec.notes.insert(0, f"rank {rec.rank}: {est.formula}")
             report.append(rec)
     return report
+
+
+def model_fn_problem(model_fn: Any) -> Optional[str]:
+    """Why ``model_fn`` cannot build the model on the ranks (the end of a sentence about it), or
+    ``None``: it must be callable, not a model itself, and picklable (it travels by value)."""
+    if isinstance(model_fn, nn.Module):
+        return f"is a model ({type(model_fn).__name__}), not a function that builds one"
+    if not callable(model_fn):
+        return f"is a{'n' if type(model_fn).__name__[0] in 'aeiou' else ''} " \
+               f"{type(model_fn).__name__}, not a function that builds the model"
+    try:
+        cloudpickle.dumps(model_fn)
+    except Exception as err:  # noqa: BLE001 -- cloudpickle raises many types
+        first = (str(err).splitlines() or [""])[0][:200]
+        return f"cannot be sent to the ranks (it cannot be pickled: {type(err).__name__}: {first})"
+    return None
 
 
 def _explain(rec: MemoryRecord, est: Estimate) -> List[str]:

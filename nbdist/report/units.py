@@ -20,6 +20,9 @@ def parse_size(text: Union[str, int]) -> int:
                         f"{type(text).__name__} ({text!r})")
     if isinstance(text, int):
         value = text
+    elif text.strip().startswith("-"):
+        raise ValueError(f"a size must be a positive number of bytes, got {text!r}; e.g. 4K or "
+                         "64MiB")
     else:
         match = _SIZE_RE.match(text)
         unit = match.group(2).upper() if match else None
@@ -50,7 +53,7 @@ def parse_sizes(spec: Union[str, int, Iterable[Union[str, int]]]) -> List[int]:
         raise ValueError(f"no sizes in {spec!r}; give e.g. '4K-64M' or '1K,1M'")
     out = set()
     for item in items:
-        if isinstance(item, str) and "-" in item:
+        if isinstance(item, str) and "-" in item and not item.strip().startswith("-"):
             out.update(_parse_range(item))
         else:
             out.add(parse_size(item))

@@ -4,7 +4,9 @@ outcome handled by one teardown policy.
 A :class:`Call` owns everything about one request: its sequence number, targets, deadline, and
 what came back (``pending``, ``replies``, ``dead``). :meth:`Call.wait` ends in exactly one outcome:
 
-* ``"ok"`` -- every target replied (with a result, or a Python error: :class:`RemoteError`);
+* ``"ok"`` -- every target replied (with a result, or a Python error: :class:`RemoteError`; an
+  error that left a rank's process group unusable -- torch's timeout or backend error, reported
+  by the worker -- also breaks the group);
 * ``"died"`` -- a worker process died (the sentinel fires, or its channel broke);
 * ``"timeout"`` -- the deadline passed;
 * ``"interrupted"`` -- the caller got Ctrl-C / the notebook's interrupt (while sending, too).
@@ -164,7 +166,7 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
            world_size: int) -> Verdict:
     """The one teardown policy: turn a call's outcome into a :class:`Verdict`."""
     if call.outcome == OK:
-        return _decode(call, rs, world_size)
+        return _decode(call, rs, world_size, auto_restart)
     if call.outcome == DIED:
         return Verdict(error=_deaths(call, rs), broken=True)
     waiting = sorted(call.pending)
@@ -279,9 +281,10 @@ def _attached_advice(ended: List[int], rs: RankSet) -> str:
             "nbdist.attach() again and re-run the launcher command")
 
 
-def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
+def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Verdict:
     results: List[Any] = []
     failures: Dict[int, RemoteFailure] = {}
+    dead_group = False  # a rank's process group failed: no collective can work any more
     todo = sorted(call.replies)
     claimed: List[str] = []  # the pooled segments unpickled so far of the reply being read
     try:
@@ -289,6 +292,7 @@ def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
             r = todo[0]
             status, body, paths = call.replies[r]
             if status != "ok":
+                dead_group = dead_group or bool(body.get("pg_failed"))
                 failures[r] = failure_from(body)
                 rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
                 results.append(None)
@@ -315,6 +319,27 @@ def _decode(call: Call, rs: RankSet, world_size: int) -> Verdict:
             call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
         failure.where = getattr(rs[r].process, "where", "")
+    if failures and dead_group:
+        advice = _dead_group_advice(call, rs, world_size, auto_restart)
+        return Verdict(error=RemoteError(failures, results, world_size, advice), broken=True)
     if failures:
         return Verdict(error=RemoteError(failures, results, world_size))
     return Verdict(results=results)
+
+
+def _dead_group_advice(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> str:
+    """What a failed process group means for the group (it is shut down) and what to do."""
+    text = ("the process group on the ranks can no longer be used (a collective timed out or "
+            "failed), and torch.distributed does not recover from that: the group was shut down; ")
+    if rs.remote:
+        text += _attached_advice(rs.abort_remote(), rs)
+    elif auto_restart:
+        text += "it restarts on the next call (auto_restart)"
+    else:
+        text += ("call restart() (%dist_restart in a notebook) to start fresh ranks (variables "
+                 "on the ranks are lost)")
+    if len(call.targets) < world_size:
+        text += (f". Note: this call ran on {ranks_phrase(call.targets)} only, and a collective "
+                 f"on the default group waits for all {world_size} ranks: run it on every rank, "
+                 "or on a group of those ranks made with dist.new_group(ranks) (on every rank)")
+    return text + "."

@@ -22,6 +22,7 @@ import cloudpickle
 from ..backends import BackendChoice, resolve_backend
 from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
+from .advice import option
 from .current import say_once
 from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F401
                          prewarm)  # prewarm: documented here
@@ -146,7 +147,7 @@ class LocalLauncher(Launcher):
                 f"world_size={ws} is more than this machine runs well on device "
                 f"{choice.device!r} (limit {limit}: "
                 f"{'one rank per GPU' if choice.device == 'cuda' else '4 ranks per CPU core'}). "
-                "Use a smaller world size, or pass max_world_size= to raise the limit.")
+                f"Use a smaller world size, or pass {option('max_world_size')} to raise the limit.")
         return choice
 
     def launch(self, group_id, choice, opts, threads, tmp, relay):
@@ -247,7 +248,8 @@ def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:
             "OMP_NUM_THREADS" not in (opts["env"] or {}) and opts["world_size"] > 1:
         threads = max(1, cores // opts["world_size"])
         say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
-                 f"({cores} cores shared by {opts['world_size']} ranks); pass threads= to change.")
+                 f"({cores} cores shared by {opts['world_size']} ranks); pass {option('threads')} "
+                 "to change.")
         return threads
     return opts["threads"]
 

@@ -281,7 +281,38 @@ def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
     except Exception:  # noqa: BLE001 -- the exception itself may not be picklable
         blob = None
     return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
-            "traceback": formatted, "time": time.time(), "exception": blob}
+            "traceback": formatted, "time": time.time(), "exception": blob,
+            "pg_failed": process_group_failed(exc)}
+
+
+# gloo's transport errors: a pair that timed out or failed is closed for good (FACTS-TORCH.md
+# §3.2). torch 2.13 raises them as a plain RuntimeError, so their text is the only sign of them.
+_GLOO_PAIR_FAILURES = ("gloo/transport/", "Application timeout caused pair closure")
+_TORCH_DISTRIBUTED = os.path.dirname(dist.__file__) + os.sep
+
+
+def process_group_failed(exc: BaseException) -> bool:
+    """Whether ``exc`` (or an exception it was raised from) means this rank's process group can
+    no longer be used: torch's ``DistBackendError`` (NCCL's errors and timeouts), or an error of
+    gloo's transport raised inside torch.distributed (a collective that timed out or lost its
+    peer). Errors raised in user code, and torch's own checks of arguments, are not."""
+    for _ in range(8):  # the chain of causes, not forever
+        if exc is None:
+            return False
+        if isinstance(exc, dist.DistBackendError):
+            return True
+        if isinstance(exc, RuntimeError) and _raised_in_torch_distributed(exc) and \
+                any(text in str(exc) for text in _GLOO_PAIR_FAILURES):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def _raised_in_torch_distributed(exc: BaseException) -> bool:
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -20,6 +20,7 @@ from ..errors import (DistTimeoutError, ExitStatus, NbdistError, RankDiedError, 
                       RemoteFailure, ranks_phrase)
 from ..wire import transport
 from ..wire.relay import OutputRelay
+from .advice import option
 from .ranks import Rank, select_exits, watch_exits
 
 
@@ -43,7 +44,7 @@ class Admission:
         return (f"{ranks_phrase(missing)} did not finish starting within {timeout:.0f} s "
                 f"(connected to the controller: "
                 f"{[r for r, h in sorted(ranks.items()) if h.channel is not None]}). "
-                "Raise init_timeout=, or check the ranks' stderr above.")
+                f"Raise {option('init_timeout')}, or check the ranks' stderr above.")
 
     def joined(self, rank: Rank) -> None:
         """A rank's control channel was accepted (progress bars count here)."""

@@ -2,6 +2,7 @@
 :class:`Request` before anything reaches the ranks."""
 from __future__ import annotations
 
+import keyword
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
@@ -49,8 +50,9 @@ def exec_request(source: str, filename: str) -> Request:
 def push_request(values: Dict[str, Any], prefix: str) -> Request:
     """Variables set in the ranks' namespaces (CPU tensors through shared memory)."""
     for name in values:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"push() names must be valid identifiers, got {name!r}")
+        if not is_variable_name(name):
+            raise ValueError(f"push() names must be variable names, got {name!r}"
+                             f"{keyword_note(name)}")
     payload, segs = _pickle(values, "pushed value", prefix)
     return Request("push", payload, f"push {', '.join(values)}", segs)
 
@@ -60,9 +62,20 @@ def pull_request(names: Sequence[str]) -> Request:
     if not names:
         raise ValueError("pull() needs at least one variable name, e.g. g.pull('loss')")
     for name in names:
-        if not isinstance(name, str) or not name.isidentifier():
-            raise ValueError(f"pull() takes variable names, got {name!r}")
+        if not is_variable_name(name):
+            raise ValueError(f"pull() takes variable names, got {name!r}{keyword_note(name)}")
     return Request("pull", tuple(names), f"pull {', '.join(names)}")
+
+
+def is_variable_name(name: Any) -> bool:
+    """Whether code can use a variable called ``name``: an identifier that is not a keyword
+    (``"for"``, ``"None"``: ``str.isidentifier`` lets those through)."""
+    return isinstance(name, str) and name.isidentifier() and not keyword.iskeyword(name)
+
+
+def keyword_note(name: Any) -> str:
+    """`` (a Python keyword)`` for a keyword, else ``""``: the end of a refusal's message."""
+    return " (a Python keyword)" if isinstance(name, str) and keyword.iskeyword(name) else ""
 
 
 def targets(ranks: Optional[Iterable[int]], world_size: int) -> List[int]:

@@ -125,6 +125,12 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
     return GroupStatus(state + generation_note(ranks), world_size, backend, device, rows, job)
 
 
+MIN_TIMEOUT = 1.0  #: s: below it a group cannot even start (``timeout``, ``init_timeout``)
+#: why each of those options cannot be shorter (the magics say the same)
+TOO_SHORT = {"timeout": "the ranks' rendezvous and every collective must finish within it",
+             "init_timeout": "the ranks need longer than that to start"}
+
+
 def check_options(opts: Dict) -> None:
     """Refuse group options that cannot work, saying what was expected."""
     ws = opts["world_size"]
@@ -136,6 +142,9 @@ def check_options(opts: Dict) -> None:
         v = opts[name]
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
+        if name in TOO_SHORT and v is not None and v < MIN_TIMEOUT:  # checked before a restart
+            raise ValueError(f"{name} must be at least {MIN_TIMEOUT:g} s ({TOO_SHORT[name]}), "
+                             f"got {v!r}")
     if opts["threads"] is not None and (not isinstance(opts["threads"], int)
                                         or opts["threads"] < 1):
         raise ValueError(f"threads must be a positive int, got {opts['threads']!r}")

@@ -8,7 +8,8 @@ A worker is a fresh interpreter (a forkserver child with torch preloaded, or a s
 2. connects its stdout and stderr -- the file descriptors themselves, so C++ output and the text of
    an abort reach the caller too (in a protected group, through a pipe and a thread that signs:
    :mod:`.sealed`) -- and its control channel, each authenticated with the group key,
-3. registers custom backends, then calls ``init_process_group`` with an explicit timeout,
+3. replaces ``sys.stdin`` with one that says there is none (what to do instead), registers
+   custom backends, then calls ``init_process_group`` with an explicit timeout,
 4. serves requests (:mod:`.rankserver`) until told to stop; it then destroys the process group
    before exiting.
 
@@ -18,8 +19,10 @@ so workers never outlive a killed kernel.
 from __future__ import annotations
 
 import atexit
+import io
 import os
 import socket
+import sys
 import time
 from typing import Any, Dict
 
@@ -42,7 +45,29 @@ def main(cfg: Dict[str, Any]) -> None:
     _run(worker, channel)
 
 
+class _NoStdin(io.TextIOBase):
+    """A rank's ``sys.stdin``. Nothing can answer a rank's ``input()``: it runs in a worker
+    process, not in the notebook. Reading says so (an ``EOFError``, as the end of input is, so
+    code that handles that still works), and says how to get a value to the ranks instead."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.rank = rank
+
+    def readable(self) -> bool:
+        return True
+
+    def read(self, size: int = -1) -> str:
+        raise EOFError(f"rank {self.rank} has no stdin: input() and sys.stdin cannot read from "
+                       "the notebook (the ranks are worker processes). Set the value in the "
+                       "notebook and send it to the ranks: %dist_push name (or "
+                       "g.push(name=value)), then use name on the ranks.")
+
+    readline = read
+
+
 def _run(worker: _Worker, channel: transport.Channel) -> None:
+    sys.stdin = _NoStdin(worker.rank)  # the launcher's stdin is closed or /dev/null
     try:
         info = worker.init_dist()
     except BaseException as exc:  # noqa: BLE001 -- report, then exit

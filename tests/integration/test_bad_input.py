@@ -40,6 +40,10 @@ START_CASES = [
     (dict(backend=5), TypeError, "backend must be a string"),
     (dict(timeout=-1), ValueError, "timeout must be a positive number of seconds, got -1"),
     (dict(timeout="soon"), ValueError, "timeout must be a positive number"),
+    (dict(timeout=0.0001), ValueError, r"timeout must be at least 1 s \(the ranks' rendezvous and "
+     r"every collective must finish within it\), got 0.0001"),
+    (dict(init_timeout=0.5), ValueError, r"init_timeout must be at least 1 s \(the ranks need "
+     r"longer than that to start\), got 0.5"),
     (dict(threads=0), ValueError, "threads must be a positive int"),
     (dict(call_timeout=0), ValueError, "call_timeout must be a positive number"),
 ]
@@ -83,6 +87,20 @@ def test_syntax_error_shows_the_line_without_a_round_trip(g):
     _still_usable(g)
 
 
+@pytest.mark.parametrize("code", ["input('name? ')", "import sys; sys.stdin.read()",
+                                  "import sys; next(iter(sys.stdin))"])
+def test_reading_stdin_on_a_rank_says_there_is_none_and_what_to_do(g, code):
+    with pytest.raises(nbdist.RemoteError) as info:
+        g.exec(code)
+    assert info.value.ranks == [0, 1]
+    failure = info.value.failures[1]
+    assert failure.type_name == "EOFError"  # what code that handles the end of input expects
+    assert "rank 1 has no stdin: input() and sys.stdin cannot read from the notebook" in \
+        failure.message
+    assert "%dist_push name (or g.push(name=value))" in failure.message
+    _still_usable(g)
+
+
 def test_exec_needs_a_string(g):
     with pytest.raises(TypeError, match="source must be a str of Python code, got bytes"):
         g.exec(b"1")
@@ -110,8 +128,13 @@ def test_push_of_an_unpicklable_value(g):
 
 
 def test_push_with_a_bad_name(g):
-    with pytest.raises(ValueError, match="push\\(\\) names must be valid identifiers, got 'a b'"):
+    with pytest.raises(ValueError, match="push\\(\\) names must be variable names, got 'a b'"):
         g.push({"a b": 1})
+    with pytest.raises(ValueError, match="got 'class' \\(a Python keyword\\)"):
+        g.push({"class": 1})
+    with pytest.raises(ValueError, match="pull\\(\\) takes variable names, got 'for' "
+                                         "\\(a Python keyword\\)"):
+        g.pull("for")
     _still_usable(g)
 
 
@@ -135,12 +158,30 @@ def test_restart_with_unknown_or_bad_options_keeps_the_running_group(g):
         g.restart(worldsize=3)
     with pytest.raises(ValueError, match="world_size must be at least 1"):
         g.restart(world_size=0)
+    with pytest.raises(ValueError, match="timeout must be at least 1 s"):
+        g.restart(timeout=0.0001)
+    with pytest.raises(ValueError, match="pass max_world_size= to raise the limit"):
+        g.restart(world_size=10_000)
     _still_usable(g)
 
 
 def test_user_code_raising_systemexit_does_not_stop_a_rank(g):
     with pytest.raises(nbdist.RemoteError, match="SystemExit"):
         g.exec("import sys; sys.exit(3)")
+    _still_usable(g)
+
+
+def test_a_benchmark_size_that_cannot_fit_is_refused_before_anything_is_sent(g):
+    from nbdist import bench
+
+    with pytest.raises(ValueError) as info:
+        bench.collectives(g, ops="all_reduce,all_to_all", sizes="4K,1024G", progress=False)
+    message = str(info.value)
+    assert "the largest size, 1024 GiB, does not fit in memory: all_to_all at that size needs " \
+           "about" in message, message
+    assert "GiB available" in message and "Use sizes up to" in message, message
+    with pytest.raises(ValueError, match="a size must be a positive number of bytes, got '-4K-1M'"):
+        bench.collectives(g, sizes="-4K-1M", progress=False)
     _still_usable(g)
 
 

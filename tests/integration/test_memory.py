@@ -2,6 +2,7 @@
 import functools
 import json
 import sys
+import threading
 
 import cloudpickle
 import pytest
@@ -159,6 +160,12 @@ def test_input_fn_for_models_without_a_linear_layer(shared_group):
      "nn.Linear in it); pass input_fn=lambda batch: <a batch of inputs> to measure()"),
     (dict(model_fn=lambda: "a model"), nbdist.RemoteError, "model_fn must return an nn.Module, "
      "got str"),
+    (dict(model_fn=threading.Lock()), TypeError, "model_fn is a lock, not a function that builds "
+     "the model; pass a function the ranks call with no arguments to build the model"),
+    (dict(model_fn=torch.nn.Linear(2, 2)), TypeError, "model_fn is a model (Linear), not a "
+     "function that builds one"),
+    (dict(model_fn=lambda lock=threading.Lock(): None), TypeError, "model_fn cannot be sent to "
+     "the ranks (it cannot be pickled: TypeError: cannot pickle '_thread.lock' object)"),
 ])
 def test_measure_explains_mistakes(shared_group, kwargs, error, text):
     args = dict(model_fn=SMALL, strategies=["ddp"])

@@ -165,7 +165,7 @@ def test_remote_error_shows_the_remote_traceback_then_the_group_works(shell, dis
 @pytest.mark.timeout(60)
 def test_syntax_error_is_reported_without_a_round_trip(shell, dist_group):
     result, captured = run(shell, "%%dist\nx = (")
-    assert isinstance(result.error_in_exec, SyntaxError)
+    assert isinstance(result.error_in_exec.__cause__, SyntaxError)  # shown as in a local cell
     assert "'(' was never closed" in captured.stdout
 
 

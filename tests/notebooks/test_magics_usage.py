@@ -71,12 +71,19 @@ USAGE_ERRORS = [
     ("dist_pull", "--rank -1 rank", "argument --rank: expected a rank number, e.g. 0; got '-1'"),
     ("dist", "--timeout nan rank", "expected a positive number of seconds, e.g. 30; got 'nan'"),
     ("dist", "--timeout inf rank", "expected a positive number of seconds, e.g. 30; got 'inf'"),
+    ("dist", "--timeout -1e3 rank", "argument --timeout: expected a positive number of seconds, "
+     "e.g. 30; got '-1e3'"),  # a value that starts with a minus is still the option's value
     ("dist_start", "--timeout 1e999", "expected a positive number of seconds, e.g. 30; got '1e9"),
     ("dist_restart", "--timeout nan", "expected a positive number of seconds, e.g. 30; got 'nan'"),
     ("dist_restart", "--device tpu", "device must be 'auto' or one of"),
     ("autodist", "--ranks 5", "--ranks 5: the group has ranks 0..1"),
     ("autodist", "--timeout inf", "expected a positive number of seconds, e.g. 30; got 'inf'"),
     ("dist_pull", "1x", "pull() takes variable names, got '1x'"),
+    ("dist", "--bg for rank", "argument --bg: expected a variable name for the job, e.g. train; "
+     "got 'for' (a Python keyword: no code could use a variable of that name)"),
+    ("dist", "--bg 2x rank", "argument --bg: expected a variable name for the job, e.g. train; "
+     "got '2x'"),
+    ("dist_pull", "None", "pull() takes variable names, got 'None' (a Python keyword)"),
 ]
 
 
@@ -121,6 +128,9 @@ def test_without_a_group_magics_say_how_to_start_one(shell, no_group, line):
 @pytest.mark.parametrize("line,message", [
     ("--backend bogus", "unknown backend 'bogus'"),
     ("-n 100000", "world_size=100000 is more than this machine runs well on device 'cpu'"),
+    ("-n 100000", "Use a smaller world size, or pass --max-world-size N to raise the limit."),
+    ("--timeout 0.5", "argument --timeout: expected at least 1 s"),
+    ("--threads 0", "argument --threads: expected a positive int, got '0'"),
     ("--device tpu", "device must be 'auto' or one of ['cpu', 'cuda', 'xpu'], got 'tpu'"),
 ])
 def test_start_refuses_what_the_group_refuses(shell, no_group, line, message):

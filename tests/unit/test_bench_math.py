@@ -234,11 +234,15 @@ def test_trace_merge_summary_and_pickle():
 class FakeGroup:
     """Enough of nbdist.Group for the sweep: answers every call with the same fake times."""
 
-    def __init__(self, world_size=2, backend="gloo", device="cpu"):
+    def __init__(self, world_size=2, backend="gloo", device="cpu", memory=64 << 30):
         self.world_size, self.backend, self.device = world_size, backend, device
         self.calls, self.restarts = [], []
+        self.memory, self.memory_checks = memory, 0  # the host's available bytes, asked before
 
     def call(self, fn, args=(), kwargs=None, ranks=None, timeout=None):
+        if fn.__name__ == "free_memory":  # the sweep's memory check, before the first point
+            self.memory_checks += 1
+            return [("host", self.memory)] * self.world_size
         self.calls.append((fn.__name__, args))
         return [ok([1e-3, 2e-3], nbytes=args[1])] * self.world_size
 
@@ -261,6 +265,21 @@ def test_sweep_points_and_send_recv_on_one_rank():
     assert records[-1]["status"] == "unsupported"
     assert records[-1]["note"] == ("send_recv needs at least 2 ranks (a ping-pong between "
                                    "ranks 0 and 1)")
+
+
+@pytest.mark.timeout(10)
+def test_sizes_that_do_not_fit_the_hosts_memory_are_refused_before_any_point():
+    g = FakeGroup(world_size=4, memory=10 << 30)  # 4 ranks on one host with 10 GiB available
+    with pytest.raises(ValueError) as info:
+        bench.collectives(g, ops="all_reduce,all_gather", sizes="1K,1G", progress=False)
+    assert str(info.value) == (
+        "the largest size, 1 GiB, does not fit in memory: all_gather at that size needs about "
+        "3.5 GiB on each rank (its buffers, and a float64 copy to check the result), 14 GiB for "
+        "the 4 ranks on host, which has 10 GiB available (a sweep uses at most 80%). Use sizes "
+        "up to 512 MiB here, e.g. '4K-512M'.")
+    assert g.memory_checks == 1 and not g.calls
+    bench.collectives(g, ops="all_reduce,all_gather", sizes="1K,512M", progress=False)
+    assert len(g.calls) == 4
 
 
 @pytest.mark.parametrize("kwargs,message", [

@@ -1,7 +1,8 @@
 """IPython magics: ``%load_ext nbdist``, then run cells on the ranks of a group.
 
 =====================  =================================================================
-``%dist_start``        start a group (``-n N``, ``--backend``, ``--device``, ``--timeout``)
+``%dist_start``        start a group (``-n N``, ``--backend``, ``--device``, ``--timeout``;
+                       ``--init-timeout``, ``--threads``, ``--max-world-size``)
 ``%%dist``             run the cell on the ranks (``--ranks 0,2``, ``--timeout S``, ``-q``)
 ``%dist statement``    the one-line form (end the options with ``--`` if needed)
 ``%autodist``          every cell runs on the ranks until ``%autodist`` again

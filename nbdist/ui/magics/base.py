@@ -10,11 +10,14 @@ from typing import List, Optional, Sequence, Tuple
 from IPython.core.error import UsageError
 from IPython.core.getipython import get_ipython
 from IPython.core.magic import Magics
-from IPython.core.magic_arguments import parse_argstring
+from IPython.utils.process import arg_split
 from IPython.display import display
 
+from ...report.units import parse_sizes
 from ...runtime.group import Group, current_group
 from ...runtime.jobs import STARTED
+from ...runtime.status import MIN_TIMEOUT, TOO_SHORT
+from ...runtime.requests import is_variable_name, keyword_note
 
 _started: "weakref.WeakSet[Group]" = weakref.WeakSet()  # %unload_ext nbdist stops these
 _magic_classes: List[type] = []
@@ -76,6 +79,26 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _start_seconds(option: str):
+    """``--timeout`` / ``--init-timeout`` of ``%dist_start`` and ``%dist_restart`` (``option``:
+    ``timeout`` / ``init_timeout``): seconds, at least the runtime's shortest (checked here, so a
+    restart never stops a working group for it)."""
+    def convert(text: str) -> float:
+        value = _seconds(text)
+        if value < MIN_TIMEOUT:
+            raise argparse.ArgumentTypeError(f"expected at least {MIN_TIMEOUT:g} s "
+                                             f"({TOO_SHORT[option]}), e.g. 60; got {text!r}")
+        return value
+
+    convert.__name__ = "seconds"
+    return convert
+
+
+#: how the advice of start() and restart() names their options while a magic runs them
+START_OPTIONS = {"init_timeout": "--init-timeout S", "max_world_size": "--max-world-size N",
+                 "threads": "--threads N", "timeout": "--timeout S"}
+
+
 def _rank(text: str) -> int:
     try:
         value = int(text)
@@ -95,6 +118,14 @@ def _rank_list(text: str) -> List[int]:
         raise argparse.ArgumentTypeError(
             f"expected rank numbers separated by commas, e.g. 0,2; got {text!r}")
     return ranks
+
+
+def _sizes(text: str) -> List[int]:
+    """``--sizes``: message sizes in bytes (``4K-64M``, ``1K,1M``), as :func:`parse_sizes` reads."""
+    try:
+        return parse_sizes(text)
+    except (ValueError, TypeError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _world_sizes(text: str) -> List[int]:
@@ -133,11 +164,13 @@ JOBS = STARTED  #: the jobs started in this kernel, oldest first (``%%dist --bg`
 
 
 def job_name(text: str) -> str:
-    """``--bg NAME``: a Python identifier (the job is also stored in that variable); plain
-    ``--bg`` gives ``""``: no variable."""
-    if text and not text.isidentifier():
+    """``--bg NAME``: a variable name, not a keyword (the job is also stored in that variable);
+    plain ``--bg`` gives ``""``: no variable."""
+    if text and not is_variable_name(text):
+        why = " (a Python keyword: no code could use a variable of that name)" \
+            if keyword_note(text) else ""
         raise argparse.ArgumentTypeError(f"expected a variable name for the job, e.g. train; "
-                                         f"got {text!r}")
+                                         f"got {text!r}{why}")
     return text
 
 
@@ -163,9 +196,28 @@ class NbdistMagics(Magics):
     def parse(self, magic, line: str) -> argparse.Namespace:
         """Parse ``line`` for ``magic``; a mistake raises ``UsageError`` ending in the usage."""
         try:
-            return parse_argstring(magic, line)
+            return magic.parser.parse_args(_dashed_values(magic.parser, arg_split(line)))
         except UsageError as err:
             raise UsageError(f"{err}\n{usage(magic)}") from None
+
+
+_DASHED_VALUE = re.compile(r"-\.?\d")  # -4K, -1e3, -.5: never one of nbdist's options
+
+
+def _dashed_values(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
+    """``--sizes -4K`` -> ``--sizes=-4K``. argparse takes a word that starts with a minus and is
+    no plain negative number (``-4K``, ``-1e3``) for an option, so the option before it "expected
+    one argument" and its type never sees the value; given as the option's value, the message
+    names it (``argument --sizes: ... got '-4K'``)."""
+    takes_value = {flag for action in parser._actions if action.nargs in (None, "?")
+                   for flag in action.option_strings}
+    out: List[str] = []
+    for word in argv:
+        if out and out[-1] in takes_value and _DASHED_VALUE.match(word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out
 
 
 class _OptionsError(Exception):

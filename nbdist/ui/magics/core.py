@@ -15,8 +15,11 @@ from IPython.display import publish_display_data
 from ...errors import NbdistError
 from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
-from .base import (JOBS, NbdistMagics, _positive, _rank, _rank_list, _seconds, _show_figure,
-                   _started, check_ranks, job_name, register_magics, split_statement, usage)
+from ...runtime.advice import option_names
+from .base import (JOBS, START_OPTIONS, NbdistMagics, _positive, _rank, _rank_list, _seconds,
+                   _show_figure, _start_seconds, _started, check_ranks, job_name, register_magics,
+                   split_statement, usage)
+from .syntax import check_cell, check_statement
 
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
@@ -43,6 +46,7 @@ class DistMagics(NbdistMagics):
     def __init__(self, shell=None, **kwargs):
         super().__init__(shell=shell, **kwargs)
         self._autodist: Optional[str] = None  # the %%dist options while %autodist is on
+        self._autodist_body: Optional[str] = None  # the code of the last cell autodist wrapped
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @line_magic
@@ -51,8 +55,14 @@ class DistMagics(NbdistMagics):
               help="number of ranks (2)")
     @argument("--backend", default="auto", metavar="B", help="gloo, nccl, ... (default: auto)")
     @argument("--device", default="auto", metavar="D", help="cpu, cuda or auto")
-    @argument("--timeout", type=_seconds, default=60.0, metavar="S",
+    @argument("--timeout", type=_start_seconds("timeout"), default=60.0, metavar="S",
               help="torch.distributed timeout in seconds (60)")
+    @argument("--init-timeout", type=_start_seconds("init_timeout"), metavar="S",
+              help="how long the ranks may take to start (default: --timeout)")
+    @argument("--threads", type=_positive(int), metavar="N",
+              help="torch threads per rank (default: the cores shared among the ranks)")
+    @argument("--max-world-size", type=_positive(int), metavar="N",
+              help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -63,8 +73,10 @@ class DistMagics(NbdistMagics):
             print(f"nbdist: a group is already running: {current_group()!r}; "
                   "change it with %dist_restart, or %dist_stop it first.")
             return
-        with self._usage(self.dist_start):
-            group = start(args.world_size, args.backend, args.device, args.timeout)
+        with self._usage(self.dist_start), option_names(START_OPTIONS):
+            group = start(args.world_size, args.backend, args.device, args.timeout,
+                          init_timeout=args.init_timeout, threads=args.threads,
+                          max_world_size=args.max_world_size)
         _started.add(group)
         use_group(group)
         self._say_ready(group, "started")
@@ -74,16 +86,22 @@ class DistMagics(NbdistMagics):
     @argument("-n", "--world-size", type=_positive(int), metavar="N", help="new number of ranks")
     @argument("--backend", metavar="B", help="new backend")
     @argument("--device", metavar="D", help="new device")
-    @argument("--timeout", type=_seconds, metavar="S", help="new torch.distributed timeout (s)")
+    @argument("--timeout", type=_start_seconds("timeout"), metavar="S",
+              help="new torch.distributed timeout (s)")
+    @argument("--init-timeout", type=_start_seconds("init_timeout"), metavar="S",
+              help="how long the ranks may take to start (s)")
+    @argument("--threads", type=_positive(int), metavar="N", help="torch threads per rank")
+    @argument("--max-world-size", type=_positive(int), metavar="N",
+              help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
     def dist_restart(self, line: str = "") -> None:
         """Restart the current group with fresh workers; options not given stay as they were.
 
-        Variables on the ranks are lost.
+        Variables on the ranks are lost. Options are checked before the running group stops.
         """
         args = self.parse(self.dist_restart, line)
         changes = {name: value for name, value in vars(args).items() if value is not None}
         group = self.group
-        with self._usage(self.dist_restart):
+        with self._usage(self.dist_restart), option_names(START_OPTIONS):
             group.restart(**changes)
         self._say_ready(group, "restarted")
 
@@ -131,8 +149,9 @@ class DistMagics(NbdistMagics):
 
         Each rank runs it in its own namespace, which persists across cells and starts with
         torch, dist, rank, world_size and device. What the ranks print appears labelled by rank;
-        the value of the last expression is shown per rank. In the one-line form, end the options
-        with -- when the statement itself starts with --.
+        the value of the last expression is shown per rank. In the one-line form the options go
+        before the statement (end them with -- when the statement itself starts with --); code
+        that does not compile is shown as in a local cell, and nothing runs.
 
         Quiet ranks: a line that several ranks print shows once, labelled with their ranks
         ([ranks 0-3] ...), and a line a rank prints again (a warning every step) is not shown
@@ -147,8 +166,10 @@ class DistMagics(NbdistMagics):
             if not cell:
                 raise UsageError("%dist needs a statement to run on the ranks, e.g. "
                                  f"%dist print(rank)\n{usage(self.dist)}")
+            check_statement(self.shell, self.dist, cell)
         else:
             args = self.parse(self.dist, line)
+            check_cell(self.shell, cell, from_autodist=cell == self._autodist_body)
         if args.bg is not None and args.trace:
             raise UsageError(f"--trace and --bg do not go together (a trace is shown when "
                              f"the cell ends)\n{usage(self.dist)}")
@@ -267,12 +288,14 @@ class DistMagics(NbdistMagics):
         """Turn ``%autodist`` off (nothing happens if it is off)."""
         if self._autodist_transform in self.shell.input_transformers_cleanup:
             self.shell.input_transformers_cleanup.remove(self._autodist_transform)
-        self._autodist = None
+        self._autodist = self._autodist_body = None
 
     def _autodist_transform(self, lines: List[str]) -> List[str]:
         first = next((line.lstrip() for line in lines if line.strip()), "")
+        self._autodist_body = None
         if self._autodist is None or not first or first.startswith(("%", "!")):
             return lines
+        self._autodist_body = "".join(lines)  # the %%dist line added: the code starts on line 1
         return [f"%%dist {self._autodist}\n"] + lines
 
     _autodist_transform.has_side_effects = True  # keeps IPython's is-complete check unaffected

@@ -8,8 +8,14 @@ from IPython.core.magic import line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import display
 
-from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _strategy_list,
-                   _world_sizes, register_magics, usage)
+from .base import (NbdistMagics, _at_least_zero, _positive, _show_figure, _sizes,
+                   _strategy_list, _world_sizes, register_magics, usage)
+
+
+_MODEL_HELP = ("--model takes mlp:LAYERSxWIDTH (e.g. mlp:4x2236), a parameter count (e.g. 7.5B), "
+               "or the name of a notebook function that builds the model, called with no "
+               "arguments on every rank (e.g. def make_model(): return torch.nn.Linear(8, 8), "
+               "then --model make_model)")
 
 
 @register_magics
@@ -51,9 +57,9 @@ class MemoryMagics(NbdistMagics):
 
         args = self.parse(self.dist_mem, line)
         names = args.strategies
-        model = self.shell.user_ns.get(args.model)
+        model = self._model_from_notebook(args.model)
         try:
-            spec = model if callable(model) else memory.model_spec(args.model)
+            spec = model if model is not None else memory.model_spec(args.model)
             extra = memory.activations.estimate_options(
                 args.tp, args.pp, args.transformer, args.sequence_parallel,
                 microbatches=args.microbatches)
@@ -80,6 +86,21 @@ class MemoryMagics(NbdistMagics):
             _show_figure(report.plot())
         return None
 
+    def _model_from_notebook(self, name: str):
+        """The notebook's function called ``name`` (``--model make_model``); ``None`` if the
+        notebook has no such name (then ``name`` is a model spec). ``UsageError`` if it has one
+        that cannot build the model on the ranks."""
+        from ...memory.report import model_fn_problem
+
+        if name not in self.shell.user_ns:
+            return None
+        model = self.shell.user_ns[name]
+        problem = model_fn_problem(model)
+        if problem is not None:
+            raise UsageError(f"--model {name}: the notebook's {name} {problem}. {_MODEL_HELP}"
+                             f"\n{usage(self.dist_mem)}")
+        return model
+
 
 @register_magics
 @magics_class
@@ -91,7 +112,8 @@ class BenchMagics(NbdistMagics):
     @argument("--ops", default="all_reduce,all_gather,broadcast,barrier", metavar="OP[,OP...]",
               help="all_reduce, all_gather, reduce_scatter, broadcast, reduce, all_to_all, "
                    "barrier, send_recv")
-    @argument("--sizes", default="4K-16M", metavar="RANGE", help="e.g. 4K-64M or 1K,1M")
+    @argument("--sizes", type=_sizes, default="4K-16M", metavar="RANGE",
+              help="e.g. 4K-64M or 1K,1M")
     @argument("--iters", type=_positive(int), default=10,
               help="measured iterations per point (10)")
     @argument("--warmup", type=_at_least_zero, default=3, help="unmeasured iterations first (3)")
