@@ -198,9 +198,9 @@ class OutputRelay:
         protected rank, every output frame it said it sent before its reply)."""
         self._await_expected()
         with self._lock:
-            for key in list(self._sel.get_map().values()):
-                if key.data is not None:
-                    self._read(key.fileobj, key.data)
+            if self._closed:
+                return  # closed: every stream was read to its end or closed
+            self._read_ready()
             if flush_partial:
                 for (rank, stream), rest in list(self._partial.items()):
                     if rest:
@@ -226,7 +226,7 @@ class OutputRelay:
                         pass
                     continue
                 with self._lock:
-                    if key.fd in self._sel.get_map():
+                    if self._registered(key):
                         self._read(key.fileobj, key.data)
             wait = self._tick()
 
@@ -244,7 +244,21 @@ class OutputRelay:
                 wait = None
         return 1.0 if wait is None else min(1.0, max(wait, 0.01))
 
+    def _registered(self, key: selectors.SelectorKey) -> bool:
+        """(Under the lock.) True if ``key`` is still this relay's: a read made since the key was
+        listed -- a drain inside :attr:`on_close`, a sink -- may have ended its stream, closed
+        its socket, and another socket may have its number now."""
+        return not self._closed and self._sel.get_map().get(key.fd) is key
+
+    def _read_ready(self) -> None:
+        """(Under the lock.) Read every stream still registered, each once."""
+        for key in list(self._sel.get_map().values()):
+            if key.data is not None and self._registered(key):
+                self._read(key.fileobj, key.data)
+
     def _read(self, sock: socket.socket, who: Tuple[int, str]) -> None:
+        """(Under the lock, ``sock`` registered.) The only place that ends a stream: on its end
+        of stream it is unregistered and closed here, once."""
         chunks = []
         eof = False
         while True:
@@ -306,9 +320,7 @@ class OutputRelay:
         """Hand every open stream (with its partial line and stderr tail) to ``other``, then
         close this relay: ranks admitted in the background join the group's relay this way."""
         with self._lock:
-            for key in list(self._sel.get_map().values()):
-                if key.data is not None:
-                    self._read(key.fileobj, key.data)  # what arrived so far goes out here
+            self._read_ready()  # what arrived so far goes out here
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
                     self._sel.unregister(key.fileobj)
@@ -320,8 +332,10 @@ class OutputRelay:
         self.close()
 
     def close(self) -> None:
-        """Stop the relay thread and close every stream still open."""
+        """Stop the relay thread and close every stream still open (idempotent)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
