@@ -197,7 +197,7 @@ class _Remote(Admission):
             _refuse_twice(rank, "control", hello)
             return None
         proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")),
-                             self.relay, str(hello.get("node", "?")))
+                             self.relay, str(hello.get("node", "?")), channel)
         r = Rank(rank, proc, channel=channel)
         r.channel.send(("config", -1, self.config))
         return r

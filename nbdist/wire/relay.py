@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import errno
 import selectors
 import socket
 import sys
@@ -28,6 +29,7 @@ import time
 from typing import Callable, Deque, Dict, Optional, Tuple
 
 from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
+from .transport import UNANSWERED
 
 Sink = Callable[[int, str, str], None]
 Tick = Callable[[float], Optional[float]]
@@ -57,6 +59,9 @@ class Lifeline:
         self._closed = closed
         self._seal = seal  # protected: each command goes in a sealed frame
         self._lock = threading.Lock()
+        #: why the stream ended without an end of stream ("" if it ended or still runs): its
+        #: host stopped answering (:data:`~nbdist.wire.transport.UNANSWERED`)
+        self.why = ""
 
     def interrupt(self) -> bool:
         """Deliver SIGINT to the rank's main thread (as the notebook's interrupt button would)."""
@@ -165,13 +170,15 @@ class OutputRelay:
             return "\n".join(self._tails.get(rank, ()))
 
     def wait_closed(self, rank: int, timeout: float) -> bool:
-        """Wait until both streams of ``rank`` reached EOF (the process is gone); True if so."""
+        """Wait up to ``timeout`` s (both streams together) until both streams of ``rank`` reached
+        EOF (the process is gone); True if so."""
+        deadline = time.monotonic() + timeout
         self.drain()
         ok = True
         for stream in ("stdout", "stderr"):
             event = self._eof.get((rank, stream))
             if event is not None:
-                ok = event.wait(timeout) and ok
+                ok = event.wait(max(0.0, deadline - time.monotonic())) and ok
         self.drain()
         return ok
 
@@ -266,8 +273,11 @@ class OutputRelay:
                 data = sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
+            except OSError as err:
                 eof = True
+                if err.errno == errno.ETIMEDOUT and who[1] == "stderr" and \
+                        who[0] in self._lifelines:  # keepalive gave up: no FIN ever came
+                    self._lifelines[who[0]].why = UNANSWERED
                 break
             if not data:
                 eof = True
