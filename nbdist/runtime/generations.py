@@ -18,13 +18,13 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import NbdistError
 from ..wire.relay import OutputRelay
 from .ranks import Rank, kill_all
 from .ready import Admission, accept_until_ready
+from .rendezvous import host_store
 
 Generation = Tuple[List[Rank], Any, OutputRelay]  #: ranks ready, their TCPStore, their relay
 
@@ -90,8 +90,6 @@ class Regenerator:
             sel.close()
 
     def _admit(self) -> None:
-        import torch.distributed as dist
-
         with self._cond:
             self._arriving = True
         relay = OutputRelay(self._sink, self._tick)
@@ -99,9 +97,7 @@ class Regenerator:
         store = None
         try:
             host = self.listener.getsockname()[0]
-            store = dist.TCPStore(host, 0, self.world_size, is_master=True,
-                                  wait_for_workers=False,
-                                  timeout=timedelta(seconds=float(self.config["timeout"])))
+            store = host_store(host, self.world_size, self.config["timeout"])
             config = dict(self.config, store_tcp=(host, store.port))
             ready = accept_until_ready(self.listener, self.key, self.world_size, ranks, relay,
                                        self.join_timeout, self._admission(config, relay))
