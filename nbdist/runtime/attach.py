@@ -28,6 +28,7 @@ from .generations import Regenerator
 from .ranks import Rank, RemoteProcess
 from .ready import Admission, accept_until_ready
 from .rendezvous import host_store
+from .teardown import interrupts_deferred
 
 TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
 RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher (torchrun/srun); "
@@ -161,17 +162,19 @@ class AttachLauncher(Launcher):
             self.close()
 
     def close(self) -> None:
-        """The group stopped: stop listening, remove the key file if nbdist made it."""
-        regen = self.regen
-        if regen is not None:
-            # torchrun may restart the failed ranks after this: turn them away for a while
-            regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
-            self.regen = None
-        if self.own_key_file and self.key_file:
-            try:
-                os.unlink(self.key_file)
-            except FileNotFoundError:
-                pass
+        """The group stopped: stop listening, remove the key file if nbdist made it (to the end
+        even when interrupted: :mod:`.teardown`)."""
+        with interrupts_deferred():
+            regen = self.regen
+            if regen is not None:
+                # torchrun may restart the failed ranks after this: turn them away for a while
+                regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
+                self.regen = None
+            if self.own_key_file and self.key_file:
+                try:
+                    os.unlink(self.key_file)
+                except FileNotFoundError:
+                    pass
 
 
 class _Remote(Admission):
