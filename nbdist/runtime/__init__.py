@@ -8,7 +8,8 @@ Parts, one owner each:
 * Launchers -- where ranks come from: :class:`~nbdist.runtime.launcher.LocalLauncher` (fresh
   workers, :mod:`.forkserver`) and :class:`~nbdist.runtime.attach.AttachLauncher` (ranks started
   by torchrun/srun). Both hand back ready ranks through one accept/ready loop (:mod:`.ready`).
-  An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`.
+  An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`;
+  each generation's rendezvous store listens on the group's one address (:mod:`.rendezvous`).
 * :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, whatever started its process
   (local or remote: same ``exit_status`` / ``kill`` / ``join``), and the ``RankSet`` a call talks to.
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,

@@ -3,9 +3,8 @@
 :class:`AttachLauncher` opens the control listener on an address the user chose (loopback unless
 told otherwise), writes the group key to a file readable only by its owner, prints the commands to
 run on the nodes, and waits -- with a progress bar and a deadline -- until every rank has connected
-and initialised torch.distributed. The rendezvous is a ``TCPStore`` hosted by the caller (torch
-binds it to all interfaces: the documented trust model is "anyone who reaches the port can try;
-only key holders get in").
+and initialised torch.distributed. The rendezvous is a ``TCPStore`` hosted by the caller on the
+same address (:mod:`.rendezvous`: never all interfaces).
 
 Once the ranks joined, the listener stays open: when torchrun restarts the workers after a
 failure (``--max-restarts``), they join again as the next generation of the same group
@@ -18,7 +17,6 @@ import shlex
 import sys
 import tempfile
 from dataclasses import replace
-from datetime import timedelta
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..backends import BackendChoice, resolve_backend
@@ -29,6 +27,8 @@ from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
 from .generations import Regenerator
 from .ranks import Rank, RemoteProcess
 from .ready import Admission, accept_until_ready
+from .rendezvous import host_store
+from .teardown import interrupts_deferred
 
 TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
 RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher (torchrun/srun); "
@@ -84,8 +84,6 @@ class AttachLauncher(Launcher):
 
     def launch(self, group_id, choice, opts, threads, tmp, relay):
         """Listen, print the commands, wait for every rank; the TCPStore is returned to keep."""
-        import torch.distributed as dist
-
         if self._closed:  # stop() from another thread closed it on this launch's way here
             raise GroupClosedError("this attached group was stopped.")
         if self.regen is not None:
@@ -103,8 +101,7 @@ class AttachLauncher(Launcher):
                       f"key in {self.key_file}; "
                       f"copy it to the nodes, mode 0600). Start them with\n"
                       f"  {self.commands['torchrun']}\nor\n  {self.commands['srun']}")
-            store = dist.TCPStore(host, 0, ws, is_master=True, wait_for_workers=False,
-                                  timeout=timedelta(seconds=float(opts["timeout"])))
+            store = host_store(host, ws, opts["timeout"])
             config = {"backend": choice.backend, "device": choice.device,
                       "timeout": float(opts["timeout"]), "threads": threads,
                       "custom_backends": custom_backend_blobs(choice), "rank_hooks": RANK_HOOKS,
@@ -168,18 +165,20 @@ class AttachLauncher(Launcher):
             self.close()
 
     def close(self) -> None:
-        """The group stopped: stop listening, remove the key file if nbdist made it."""
+        """The group stopped: stop listening, remove the key file if nbdist made it (to the end
+        even when interrupted: :mod:`.teardown`)."""
         self._closed = True
-        regen = self.regen
-        if regen is not None:
-            # torchrun may restart the failed ranks after this: turn them away for a while
-            regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
-            self.regen = None
-        if self.own_key_file and self.key_file:
-            try:
-                os.unlink(self.key_file)
-            except FileNotFoundError:
-                pass
+        with interrupts_deferred():
+            regen = self.regen
+            if regen is not None:
+                # torchrun may restart the failed ranks after this: turn them away for a while
+                regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
+                self.regen = None
+            if self.own_key_file and self.key_file:
+                try:
+                    os.unlink(self.key_file)
+                except FileNotFoundError:
+                    pass
 
 
 class _Remote(Admission):
@@ -201,7 +200,7 @@ class _Remote(Admission):
             _refuse_twice(rank, "control", hello)
             return None
         proc = RemoteProcess(rank, int(hello.get("pid", 0)), str(hello.get("host", "?")),
-                             self.relay, str(hello.get("node", "?")))
+                             self.relay, str(hello.get("node", "?")), channel)
         r = Rank(rank, proc, channel=channel)
         r.channel.send(("config", -1, self.config))
         return r

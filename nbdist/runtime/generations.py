@@ -10,6 +10,12 @@ call -- with a fresh rendezvous (a new ``TCPStore``: the old generation's keys s
 output relay of its own. The group takes the new generation on its next call
 (:meth:`AttachLauncher.launch <nbdist.runtime.attach.AttachLauncher.launch>`), which moves the
 ranks' streams into the group's relay. Variables on the ranks are gone: these are new processes.
+
+When the group stops (:meth:`Regenerator.close`), a generation that is still joining is stopped at
+once (its admission wakes up) and one that joined but was never taken -- even one that completed
+just as the group stopped -- is told to exit (:data:`~nbdist.wire.relay.ABORT_EXIT_CODE`: each
+launcher sees a failure, instead of holding its node) and its relay closed. The background thread
+is the only one that admits; it owns the read end of its wake-up pair.
 """
 from __future__ import annotations
 
@@ -18,13 +24,13 @@ import socket
 import sys
 import threading
 import time
-from datetime import timedelta
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import NbdistError
 from ..wire.relay import OutputRelay
 from .ranks import Rank, kill_all
-from .ready import Admission, accept_until_ready
+from .ready import Admission, AdmissionStopped, accept_until_ready
+from .rendezvous import host_store
 
 Generation = Tuple[List[Rank], Any, OutputRelay]  #: ranks ready, their TCPStore, their relay
 
@@ -81,17 +87,16 @@ class Regenerator:
                     self._cond.wait_for(lambda: self._ready is None or self._closed)
                     if self._closed:
                         return
-                if not any(key.data == "listen" for key, _ in sel.select()):
-                    if self._closed:
-                        return
-                    continue
-                self._admit()
+                events = sel.select()
+                if self._closed:
+                    return
+                if any(key.data == "listen" for key, _ in events):
+                    self._admit()
         finally:
             sel.close()
+            self._wake_r.close()
 
     def _admit(self) -> None:
-        import torch.distributed as dist
-
         with self._cond:
             self._arriving = True
         relay = OutputRelay(self._sink, self._tick)
@@ -99,16 +104,15 @@ class Regenerator:
         store = None
         try:
             host = self.listener.getsockname()[0]
-            store = dist.TCPStore(host, 0, self.world_size, is_master=True,
-                                  wait_for_workers=False,
-                                  timeout=timedelta(seconds=float(self.config["timeout"])))
+            store = host_store(host, self.world_size, self.config["timeout"])
             config = dict(self.config, store_tcp=(host, store.port))
+            admission = self._admission(config, relay)
+            admission.wake = self._wake_r  # close() stops a generation that is still joining
             ready = accept_until_ready(self.listener, self.key, self.world_size, ranks, relay,
-                                       self.join_timeout, self._admission(config, relay))
+                                       self.join_timeout, admission)
         except BaseException as err:  # noqa: BLE001 -- report, and wait for the next try
-            kill_all(ranks.values(), join=1.0)
-            relay.close()
-            if not self._closed:
+            end_generation(list(ranks.values()), relay)
+            if not (self._closed or isinstance(err, AdmissionStopped)):
                 sys.stderr.write(f"nbdist: a new generation of ranks tried to join and failed: "
                                  f"{err}\n")
             with self._cond:
@@ -119,27 +123,27 @@ class Regenerator:
             r.generation = self.generation + 1
         with self._cond:
             self._arriving = False
-            self._ready = (ready, store, relay)
             self._cond.notify_all()
+            if not self._closed:
+                self._ready = (ready, store, relay)
+                return
+        end_generation(ready, relay)  # joined as the group stopped: nobody will take it
 
     def close(self, turn_away: float = 0.0) -> None:
         """Stop admitting; end a generation that joined but was never taken; close the listener
         -- after ``turn_away`` seconds during which ranks that still connect (torchrun restarting
         them after the group stopped) are closed on at once, so they exit instead of retrying."""
         with self._cond:
+            if self._closed:
+                return
             self._closed = True
             gen, self._ready = self._ready, None
             self._cond.notify_all()
-        self._wake_w.send(b"x")
-        self._thread.join(5.0)
-        if gen is not None:
-            ranks, _, relay = gen
-            for r in ranks:
-                r.process.abort()
-            kill_all(ranks, join=2.0)
-            relay.close()
-        self._wake_r.close()
+        self._wake_w.send(b"x")  # stays readable: the admission of a joining generation stops
         self._wake_w.close()
+        self._thread.join(5.0)  # it ends a generation that joins meanwhile itself (_admit)
+        if gen is not None:
+            end_generation(gen[0], gen[2])
         if turn_away > 0:
             threading.Thread(target=self._turn_away, args=(time.monotonic() + turn_away,),
                              name="nbdist-turn-away", daemon=True).start()
@@ -168,3 +172,16 @@ class Regenerator:
             pass
         finally:
             self.listener.close()
+
+
+def end_generation(ranks: List[Rank], relay: OutputRelay, wait: float = 2.0) -> None:
+    """Tell the ranks of a generation that will never run to exit with ABORT_EXIT_CODE (their
+    launcher sees a failure, as when a group fails), wait up to ``wait`` s for them all, kill
+    what still runs, close their relay."""
+    for r in ranks:
+        r.process.abort()
+    deadline = time.monotonic() + wait
+    for r in ranks:
+        r.process.join(max(0.0, deadline - time.monotonic()))
+    kill_all(ranks, join=1.0)
+    relay.close()

@@ -238,9 +238,9 @@ class Group(Dispatch):
 
     def _shutdown(self) -> None:
         """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
-        inc, self._inc, self._rs = self._inc, None, None
-        if inc is not None:
-            inc.shutdown()
+        if self._inc is not None:  # runs to its end even if interrupted; else the next completes it
+            self._inc.shutdown()
+        self._inc = self._rs = None
 
     def _teardown(self) -> None:
         """After a failure: kill what still runs, release everything; ``restart()`` brings it back."""

@@ -28,6 +28,7 @@ from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F
                          prewarm)  # prewarm: documented here
 from .ranks import LocalProcess, Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
+from .teardown import interrupts_deferred, run_all
 
 #: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
 #: the runtime does not import the layers above it). Lightning's guards only install an import hook:
@@ -74,7 +75,8 @@ class Launcher:
 class Incarnation:
     """What one start of a group made, released together: its temp dir, output relay, rendezvous
     store and ranks (:class:`~nbdist.runtime.ranks.RankSet`). A failed start releases what it made
-    before the error propagates; :meth:`shutdown` stops the ranks and releases the rest."""
+    before the error propagates; :meth:`shutdown` stops the ranks and releases the rest, to the
+    end even when interrupted (:mod:`.teardown`); :attr:`done` says it got there."""
 
     def __init__(self, group_id: str, launcher: Launcher, choice: BackendChoice,
                  opts: Dict[str, Any], output):
@@ -83,6 +85,7 @@ class Incarnation:
         self.relay: Optional[OutputRelay] = None
         self.store: Any = None
         self.rs: Optional[RankSet] = None
+        self.done = False  #: everything released (:meth:`shutdown` ran to its end)
         try:
             threads = threads_per_rank(opts)
             segments.sweep_orphans()
@@ -94,9 +97,7 @@ class Incarnation:
             self.choice = launcher.resolved(choice, ranks)
             pool.set_release_hook(group_id, self._segment_freed)
         except BaseException:
-            if self.rs is not None:
-                self.rs.shutdown()
-            self._release()
+            self.shutdown()
             raise
 
     def _segment_freed(self, path: str) -> None:  # any thread, or the GC (a tensor died)
@@ -105,19 +106,43 @@ class Incarnation:
             rs.freed(path, int(os.path.basename(path).split("-")[2][1:]))
 
     def shutdown(self) -> None:
-        """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
-        if self.rs is not None:
-            self.rs.shutdown()
-        self._release()
+        """Ask idle ranks to stop, kill the rest, reap everything, release every resource (once;
+        again after an interrupted try). Every step runs even if one fails or Ctrl-C comes: that
+        error or interrupt is raised once all is released."""
+        if self.done:
+            return
+        with interrupts_deferred():
+            try:
+                run_all(self._stop_ranks, self._show_last_output, self._close_relay,
+                        lambda: pool.set_release_hook(self.group_id, None),
+                        lambda: segments.remove_segments(
+                            segments.leftover_segments(self.group_id)),
+                        self._drop_store, self.launcher.cleanup, self._remove_tmp)
+            finally:
+                self.done = True
 
-    def _release(self) -> None:
+    def _stop_ranks(self) -> None:
+        rs = self.rs
+        if rs is None:
+            return
+        try:
+            rs.shutdown()
+        except BaseException:
+            kill_all(rs.ranks, join=2.0)  # what a failed shutdown left running goes now
+            raise
+
+    def _show_last_output(self) -> None:
         if self.relay is not None:
             self.relay.drain(flush_partial=True)
+
+    def _close_relay(self) -> None:
+        if self.relay is not None:
             self.relay.close()
-        pool.set_release_hook(self.group_id, None)
-        segments.remove_segments(segments.leftover_segments(self.group_id))
-        self.store = None
-        self.launcher.cleanup()
+
+    def _drop_store(self) -> None:
+        self.store = None  # a TCPStore server ends (and closes its socket) when freed
+
+    def _remove_tmp(self) -> None:
         if self.tmp:
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp = None

@@ -122,24 +122,39 @@ class RemoteProcess:
     """A rank nbdist did not start (torchrun/srun on another host): alive while its lifeline is.
 
     After the lifeline closes, its exit status is 0 if the rank was told to stop,
-    :data:`ABORT_EXIT_CODE` if it was told to abort, else ``lost``.
+    :data:`ABORT_EXIT_CODE` if it was told to abort, else ``lost``. A rank whose host stopped
+    answering (on its lifeline or its control ``channel``: no end of stream ever comes) is ``lost``
+    at once, saying so.
     """
 
     sentinel = None
 
-    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay, node: str = "?"):
+    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay, node: str = "?",
+                 channel: Optional[transport.Channel] = None):
         self.rank, self.pid, self.host, self.node, self._relay = rank, pid, host, node, relay
+        self.channel = channel
         self._expected: Optional[int] = None  # the exit code we asked for
 
     @property
     def exit_status(self) -> Optional[ExitStatus]:
         """``None`` while connected, then ``ExitStatus(0)`` or ``ExitStatus(lost=True)``."""
         lifeline = self._relay.lifeline(self.rank)
-        if lifeline is None or lifeline.alive:
+        if lifeline is None:
+            return None
+        silent = lifeline.why or self._silent
+        if silent:
+            return ExitStatus(lost=True, where=self.where, why=silent)
+        if lifeline.alive:
             return None
         if self._expected is not None:
             return ExitStatus(self._expected)
         return ExitStatus(lost=True, where=self.where)
+
+    @property
+    def _silent(self) -> str:
+        """Why the control channel was given up, if its peer's host stopped answering."""
+        channel = self.channel
+        return channel.failure if channel is not None and channel.peer_silent else ""
 
     @property
     def where(self) -> str:
@@ -177,8 +192,10 @@ class RemoteProcess:
         self._relay = relay
 
     def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until the rank's streams are closed."""
-        self._relay.wait_closed(self.rank, 3600.0 if timeout is None else timeout)
+        """Wait until the rank's streams are closed (not at all once its host stopped answering:
+        nothing more will come from it)."""
+        if not self._silent:
+            self._relay.wait_closed(self.rank, 3600.0 if timeout is None else timeout)
 
     def release(self) -> None:
         """Nothing to release."""
@@ -218,13 +235,15 @@ class Rank:
 
 
 def kill_all(ranks: Iterable[Rank], join: float = 5.0) -> None:
-    """SIGKILL every rank still running, reap it, close its channel."""
+    """SIGKILL every rank still running, reap them within ``join`` s (all of them together: a
+    rank on an unreachable host costs no more than one that exits), close their channels."""
     ranks = list(ranks)
     for r in ranks:
         if r.exit_status is None:
             r.process.kill()
+    deadline = time.monotonic() + join
     for r in ranks:
-        r.process.join(join)
+        r.process.join(max(0.0, deadline - time.monotonic()))
         r.process.release()
         if r.channel is not None:
             r.channel.close()
@@ -352,7 +371,8 @@ class RankSet:
             if r.exit_status is None:
                 r.process.join(max(0.0, deadline - time.monotonic()))
         kill_all(self.ranks)
+        deadline = time.monotonic() + 0.5  # the last lines of every rank, all ranks together
         for r in self.ranks:
-            self.relay.wait_closed(r.rank, 0.5)
+            self.relay.wait_closed(r.rank, max(0.0, deadline - time.monotonic()))
             r.state = "dead" if r.state == "dead" else "stopped"
         self._sel.close()

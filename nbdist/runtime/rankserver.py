@@ -80,7 +80,7 @@ class _Worker:
         # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
         # never outlive it. Keepalive notices a controller host that vanished without a word.
         main_id = threading.main_thread().ident
-        _keepalive(self.lifeline)
+        transport.keepalive(self.lifeline)
         code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
                          "unreachable)")
         try:
@@ -313,20 +313,6 @@ def _raised_in_torch_distributed(exc: BaseException) -> bool:
     while tb is not None and tb.tb_next is not None:
         tb = tb.tb_next
     return tb is not None and tb.tb_frame.f_code.co_filename.startswith(_TORCH_DISTRIBUTED)
-
-
-def _keepalive(sock: socket.socket) -> None:
-    """TCP keepalive on the lifeline: probes from 4 s idle, 2 s apart; a controller host that
-    answers nothing for 10 s (``TCP_USER_TIMEOUT``, Linux; it also bounds unacknowledged data)
-    -- 3 probes elsewhere -- is gone."""
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
-        for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPINTVL", 2), ("TCP_KEEPCNT", 3),
-                            ("TCP_USER_TIMEOUT", 10000)):
-            if hasattr(socket, name):
-                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
-    except OSError:
-        pass  # not a TCP socket (or an old kernel): EOF still ends the worker
 
 
 def _flush_output() -> None:

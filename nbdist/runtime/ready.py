@@ -24,10 +24,17 @@ from .advice import option
 from .ranks import Rank, select_exits, watch_exits
 
 
+class AdmissionStopped(NbdistError):
+    """The admission was told to stop (its :attr:`Admission.wake` turned readable)."""
+
+
 class Admission:
     """What a launcher decides while ranks join (the defaults suit ranks nbdist started)."""
 
     protect = False  #: seal every connection's messages (:mod:`nbdist.wire.seal`)
+    #: a socket that turns readable when the ranks must not join after all (their group stopped):
+    #: the wait then raises :class:`AdmissionStopped` at once
+    wake: Optional[socket.socket] = None
 
     def control(self, hello: Dict[str, Any], channel: transport.Channel,
                 ranks: Dict[int, Rank]) -> Optional[Rank]:
@@ -61,6 +68,8 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
     """
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ, ("listen", -1))
+    if admission.wake is not None:
+        sel.register(admission.wake, selectors.EVENT_READ, ("wake", -1))
     polled = watch_exits(sel, ranks.values())  # sentinels, or polled exits on Windows
     deadline = time.monotonic() + timeout
     failures: Dict[int, RemoteFailure] = {}
@@ -76,6 +85,8 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
             for (what, idx), fileobj in select_exits(sel, polled, remaining):
                 if what == "dead" and idx in dead:
                     continue
+                if what == "wake":
+                    raise AdmissionStopped("told to stop while ranks were joining")
                 if what == "listen":
                     _accept(listener, key, world_size, ranks, relay, sel, admission)
                 elif what == "ctl":

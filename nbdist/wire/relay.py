@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import collections
 import contextvars
+import errno
 import selectors
 import socket
 import sys
@@ -28,6 +29,7 @@ import time
 from typing import Callable, Deque, Dict, Optional, Tuple
 
 from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
+from .transport import UNANSWERED
 
 Sink = Callable[[int, str, str], None]
 Tick = Callable[[float], Optional[float]]
@@ -57,6 +59,9 @@ class Lifeline:
         self._closed = closed
         self._seal = seal  # protected: each command goes in a sealed frame
         self._lock = threading.Lock()
+        #: why the stream ended without an end of stream ("" if it ended or still runs): its
+        #: host stopped answering (:data:`~nbdist.wire.transport.UNANSWERED`)
+        self.why = ""
 
     def interrupt(self) -> bool:
         """Deliver SIGINT to the rank's main thread (as the notebook's interrupt button would)."""
@@ -165,13 +170,15 @@ class OutputRelay:
             return "\n".join(self._tails.get(rank, ()))
 
     def wait_closed(self, rank: int, timeout: float) -> bool:
-        """Wait until both streams of ``rank`` reached EOF (the process is gone); True if so."""
+        """Wait up to ``timeout`` s (both streams together) until both streams of ``rank`` reached
+        EOF (the process is gone); True if so."""
+        deadline = time.monotonic() + timeout
         self.drain()
         ok = True
         for stream in ("stdout", "stderr"):
             event = self._eof.get((rank, stream))
             if event is not None:
-                ok = event.wait(timeout) and ok
+                ok = event.wait(max(0.0, deadline - time.monotonic())) and ok
         self.drain()
         return ok
 
@@ -198,9 +205,9 @@ class OutputRelay:
         protected rank, every output frame it said it sent before its reply)."""
         self._await_expected()
         with self._lock:
-            for key in list(self._sel.get_map().values()):
-                if key.data is not None:
-                    self._read(key.fileobj, key.data)
+            if self._closed:
+                return  # closed: every stream was read to its end or closed
+            self._read_ready()
             if flush_partial:
                 for (rank, stream), rest in list(self._partial.items()):
                     if rest:
@@ -226,7 +233,7 @@ class OutputRelay:
                         pass
                     continue
                 with self._lock:
-                    if key.fd in self._sel.get_map():
+                    if self._registered(key):
                         self._read(key.fileobj, key.data)
             wait = self._tick()
 
@@ -244,7 +251,21 @@ class OutputRelay:
                 wait = None
         return 1.0 if wait is None else min(1.0, max(wait, 0.01))
 
+    def _registered(self, key: selectors.SelectorKey) -> bool:
+        """(Under the lock.) True if ``key`` is still this relay's: a read made since the key was
+        listed -- a drain inside :attr:`on_close`, a sink -- may have ended its stream, closed
+        its socket, and another socket may have its number now."""
+        return not self._closed and self._sel.get_map().get(key.fd) is key
+
+    def _read_ready(self) -> None:
+        """(Under the lock.) Read every stream still registered, each once."""
+        for key in list(self._sel.get_map().values()):
+            if key.data is not None and self._registered(key):
+                self._read(key.fileobj, key.data)
+
     def _read(self, sock: socket.socket, who: Tuple[int, str]) -> None:
+        """(Under the lock, ``sock`` registered.) The only place that ends a stream: on its end
+        of stream it is unregistered and closed here, once."""
         chunks = []
         eof = False
         while True:
@@ -252,8 +273,11 @@ class OutputRelay:
                 data = sock.recv(1 << 16)
             except (BlockingIOError, InterruptedError):
                 break
-            except OSError:
+            except OSError as err:
                 eof = True
+                if err.errno == errno.ETIMEDOUT and who[1] == "stderr" and \
+                        who[0] in self._lifelines:  # keepalive gave up: no FIN ever came
+                    self._lifelines[who[0]].why = UNANSWERED
                 break
             if not data:
                 eof = True
@@ -306,9 +330,7 @@ class OutputRelay:
         """Hand every open stream (with its partial line and stderr tail) to ``other``, then
         close this relay: ranks admitted in the background join the group's relay this way."""
         with self._lock:
-            for key in list(self._sel.get_map().values()):
-                if key.data is not None:
-                    self._read(key.fileobj, key.data)  # what arrived so far goes out here
+            self._read_ready()  # what arrived so far goes out here
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
                     self._sel.unregister(key.fileobj)
@@ -320,8 +342,10 @@ class OutputRelay:
         self.close()
 
     def close(self) -> None:
-        """Stop the relay thread and close every stream still open."""
+        """Stop the relay thread and close every stream still open (idempotent)."""
         with self._lock:
+            if self._closed:
+                return
             self._closed = True
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:

@@ -7,16 +7,24 @@ they hold the key is anything unpickled. Then messages travel as ``8-byte length
 A failed or slow handshake raises :class:`AuthenticationError` and the socket is closed; the peer
 learns nothing and nothing it sent is interpreted.
 
+A peer whose host vanishes (power lost, cable pulled) sends no FIN: every connection the controller
+accepts, and the worker's lifeline, probe a silent peer (:func:`keepalive`) and give it up after
+:data:`PEER_SILENCE` seconds without an answer; a message that stops halfway is given up after
+:data:`MESSAGE_STALL` seconds without a byte. :attr:`Channel.failure` then says why.
+
 The server (the controller) decides whether the connection is *protected* and says so in its
 authenticated answer (a mode byte covered by its MAC, so nobody on the path can turn it off). On a
 protected connection the hello and every later message is sealed (:mod:`nbdist.wire.seal`).
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import hmac
 import json
 import os
 import pickle
+import select
 import socket
 import struct
 import threading
@@ -34,6 +42,13 @@ _HEADER = struct.Struct("!Q")
 _MAX_HELLO = 4096
 HANDSHAKE_TIMEOUT = 10.0
 _PLAIN, _SEALED = b"-", b"P"
+#: s without an answer after which a peer's host counts as gone (keepalive probes from 4 s of
+#: silence, 2 s apart; ``TCP_USER_TIMEOUT`` where the OS has it also bounds unacknowledged data)
+PEER_SILENCE = 10
+#: s without a byte, halfway through a message, after which the peer counts as gone
+MESSAGE_STALL = 30.0
+UNANSWERED = (f"no answer from its host for {PEER_SILENCE} s (the host is down, or the network to "
+              "it is cut)")
 
 
 class AuthenticationError(ConnectionError):
@@ -49,9 +64,41 @@ def _mac(key: bytes, label: bytes, nonce: bytes) -> bytes:
     return hmac.new(key, label + nonce, sha256).digest()
 
 
-def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) -> bytes:
+class MessageStalled(TimeoutError):
+    """The peer sent part of a message, then nothing for :data:`MESSAGE_STALL` seconds."""
+
+
+def keepalive(sock: socket.socket) -> None:
+    """Probe ``sock``'s peer when it is silent: from 4 s of silence, 2 s apart; a peer whose host
+    answers nothing for :data:`PEER_SILENCE` s is gone (the socket then fails with ETIMEDOUT).
+    Each option is set where the OS has it (``TCP_KEEPIDLE``... are Linux names; macOS calls the
+    first ``TCP_KEEPALIVE``; ``TCP_USER_TIMEOUT``, Linux only, also bounds unacknowledged data)."""
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        for name, value in (("TCP_KEEPIDLE", 4), ("TCP_KEEPALIVE", 4), ("TCP_KEEPINTVL", 2),
+                            ("TCP_KEEPCNT", (PEER_SILENCE - 4) // 2),
+                            ("TCP_USER_TIMEOUT", PEER_SILENCE * 1000)):
+            if hasattr(socket, name):
+                sock.setsockopt(socket.IPPROTO_TCP, getattr(socket, name), value)
+    except OSError:
+        pass  # not a TCP socket (a socketpair in tests), or an old kernel: EOF still tells
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    if hasattr(select, "poll"):  # no FD_SETSIZE limit
+        poller = select.poll()
+        poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(timeout * 1000))
+    return bool(select.select([sock], [], [sock], timeout)[0])  # Windows: sockets only anyway
+
+
+def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None,
+               stall: Optional[float] = None, begun: bool = False) -> bytes:
     """Read exactly ``n`` bytes or raise ``ConnectionError`` on EOF (``socket.timeout`` once the
-    ``time.monotonic()`` ``deadline`` has passed, however slowly the peer trickles bytes)."""
+    ``time.monotonic()`` ``deadline`` has passed, however slowly the peer trickles bytes).
+
+    ``stall``: raise :class:`MessageStalled` when no byte comes for that long once the read has
+    begun (after its first byte; from the start if ``begun``: the message began earlier)."""
     buf = bytearray(n)
     view = memoryview(buf)
     got = 0
@@ -61,6 +108,8 @@ def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None) ->
             if left <= 0:
                 raise socket.timeout("handshake deadline passed")
             sock.settimeout(left)
+        elif stall is not None and (got or begun) and not _readable(sock, stall):
+            raise MessageStalled(f"the peer sent part of a message, then nothing for {stall:g} s")
         k = sock.recv_into(view[got:], n - got)
         if k == 0:
             raise ConnectionError("connection closed by peer")
@@ -81,6 +130,7 @@ def accept_session(sock: socket.socket, key: bytes, timeout: float = HANDSHAKE_T
     """:func:`server_handshake` that also tells the peer whether the connection is protected;
     return the hello and the connection's :class:`~nbdist.wire.seal.Seal` (``None``: plain)."""
     deadline = time.monotonic() + timeout
+    keepalive(sock)  # the controller's end: a rank's host that vanishes is noticed
     sock.settimeout(timeout)
     seal = None
     try:
@@ -170,9 +220,8 @@ def open_channel(address: Tuple[str, int], key: bytes, hello: Dict[str, Any]) ->
 
 
 def listen(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
-    """A listening TCP socket (loopback and a free port by default)."""
-    sock = socket.create_server((host, port), backlog=256)
-    return sock
+    """A TCP socket listening on ``host`` only (loopback and a free port by default)."""
+    return socket.create_server((host, port), backlog=256)
 
 
 class Channel:
@@ -186,7 +235,11 @@ class Channel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = threading.Lock()
         self.torn = False  # True while a message is half sent or half read (an interrupt hit)
-        self.failure = ""  #: why a protected channel was dropped ("" while it is fine)
+        #: why the connection was given up ("" while it is fine): a protected message failed its
+        #: check, the peer's host stopped answering (:data:`UNANSWERED`), or a message stalled
+        self.failure = ""
+        self.peer_silent = False  #: the failure is the peer's silence (its host is gone)
+        self.stall = MESSAGE_STALL  #: s without a byte halfway through a message
 
     def fileno(self) -> int:
         """The socket's file descriptor (so channels can be passed to ``select``)."""
@@ -194,7 +247,7 @@ class Channel:
 
     def send_bytes(self, data: bytes) -> None:
         """Send one framed message whose body is ``data``."""
-        with self._send_lock:
+        with self._send_lock, self._noting_silence():
             self.torn = True
             if self.seal is not None:
                 head, tail = self.seal.wrap(data)
@@ -212,19 +265,41 @@ class Channel:
             self.torn = False
 
     def recv_bytes(self) -> bytes:
-        """Receive one framed message body (raises ``ConnectionError`` on EOF)."""
+        """Receive one framed message body (raises ``ConnectionError`` on EOF). Waits as long as
+        it takes for a message to begin; once it has, :attr:`stall` bounds each pause."""
         self.torn = True
-        if self.seal is not None:
-            try:
-                data = read_frame(self.sock, self.seal, recv_exact)
-            except IntegrityError as err:
-                self._drop(err)
-                raise
-        else:
-            (size,) = _HEADER.unpack(recv_exact(self.sock, _HEADER.size))
-            data = recv_exact(self.sock, size)
+        begun = []
+
+        def read(sock, n):
+            data = recv_exact(sock, n, stall=self.stall, begun=bool(begun))
+            begun.append(True)
+            return data
+
+        with self._noting_silence():
+            if self.seal is not None:
+                try:
+                    data = read_frame(self.sock, self.seal, read)
+                except IntegrityError as err:
+                    self._drop(err)
+                    raise
+            else:
+                (size,) = _HEADER.unpack(read(self.sock, _HEADER.size))
+                data = read(self.sock, size)
         self.torn = False
         return data
+
+    @contextlib.contextmanager
+    def _noting_silence(self):
+        """A peer that went silent fails the connection: say why in :attr:`failure`."""
+        try:
+            yield
+        except MessageStalled as err:
+            self.failure, self.peer_silent = self.failure or str(err), True
+            raise
+        except TimeoutError as err:
+            if err.errno == errno.ETIMEDOUT:  # keepalive or TCP_USER_TIMEOUT gave up
+                self.failure, self.peer_silent = self.failure or UNANSWERED, True
+            raise
 
     def _drop(self, err: IntegrityError) -> None:
         """Tell the peer (unless it told us) and drop the connection: nothing more is read."""

@@ -31,13 +31,14 @@ def _die_with_parent():
 
 
 def torchrun(node_rank, rdzv_port, port, key_file, nproc=1, nnodes=2, max_restarts=0, env=None,
-             stdout=subprocess.DEVNULL):
-    """Start one torchrun agent ("node" ``node_rank``) running ``python -m nbdist.worker``."""
+             stdout=subprocess.DEVNULL, worker=("-m", "nbdist.worker")):
+    """Start one torchrun agent ("node" ``node_rank``) running ``python -m nbdist.worker`` (or
+    ``python *worker``: a script that runs it)."""
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={nnodes}",
            f"--nproc-per-node={nproc}", "--rdzv-backend=static", f"--node-rank={node_rank}",
            "--master-addr=127.0.0.1", f"--master-port={rdzv_port}",
            f"--max-restarts={max_restarts}",
-           "-m", "nbdist.worker", "--connect", f"127.0.0.1:{port}", "--key-file", key_file]
+           *worker, "--connect", f"127.0.0.1:{port}", "--key-file", key_file]
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
     return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True,
                             preexec_fn=_die_with_parent)
