@@ -10,8 +10,10 @@ Parts, one owner each:
   by torchrun/srun). Both hand back ready ranks through one accept/ready loop (:mod:`.ready`).
   An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`;
   each generation's rendezvous store listens on the group's one address (:mod:`.rendezvous`).
-* :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, whatever started its process
-  (local or remote: same ``exit_status`` / ``kill`` / ``join``), and the ``RankSet`` a call talks to.
+* :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, the one owner of that rank's
+  state (``Rank.MOVES`` is the whole state machine; every change is a method of ``Rank``), and the
+  ``RankSet`` a call talks to. :mod:`.processes` -- the process behind a rank, local or started
+  elsewhere, behind one interface (``exit_status``, ``where``, ``node``, ``kill``, ``join``...).
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,
   pending / replies / dead) ends in one outcome; :func:`~nbdist.runtime.calls.settle` is the one
   teardown policy that turns it into results or an error, and says whether the group is broken.
@@ -27,19 +29,23 @@ Parts, one owner each:
   up; an attached group aborts every other remote rank when one is lost).
 
 Threading model
+    Threads, on the notebook's side (every one a daemon; none outlives its group but the prewarm
+    thread, which ends by itself):
+
     *Caller thread* (the kernel's, or any thread that calls): runs a whole call while holding the
-    group's ``RLock`` -- send, wait, settle, and any teardown -- and every lifecycle change
-    (``start``, ``restart``, ``stop``). One call at a time per group; ``Rank.state`` moves between
-    ``idle`` and ``busy`` only inside a call, and to ``dead`` / ``stopped`` only in a teardown.
-    However a call ends -- a Ctrl-C between two of its steps included -- it leaves the group
-    ``ready``, ``broken`` or ``stopped``, never ``busy`` (:mod:`.dispatch`).
+    group's lock -- send, wait, settle, and any teardown -- and every lifecycle change
+    (``start``, ``restart``, ``stop``). One call at a time per group. However a call ends -- a
+    Ctrl-C between two of its steps included -- it leaves the group ``ready``, ``broken`` or
+    ``stopped``, never ``busy`` (:mod:`.dispatch`); a teardown runs to its end however often
+    Ctrl-C comes (:mod:`.teardown`).
     *Relay thread* (one per group, ``nbdist-output``): reads the ranks' output sockets and hands
     lines to the output router, in the context of the call that was running (so output lands in
     the cell that made the call); its buffers are guarded by the relay's own lock, and the caller
     thread drains it under that lock before returning results. It also ticks the output router,
     which releases folded lines held back for their 0.2 s window; the call's thread shows what is
     still held, and the summary of repeats, when the call ends (a job's thread, when the job ends).
-    The relay thread never runs the user's ``output=`` sink: it only queues lines for it.
+    It runs an attached group's lifeline hook (a lost rank ends the others). It never runs the
+    user's ``output=`` sink: it only queues lines for it.
     *Sink thread* (``nbdist-sink``, while lines come): calls the user's sink, line by line in
     order, in each line's context, outside every lock -- so a slow or blocked sink never holds up
     the relay, which reads the lifelines that tell of a death. The caller thread (or a job's)
@@ -50,8 +56,18 @@ Threading model
     only once its request reached the ranks, and its thread always starts; it waits without the
     group's lock, then takes it to settle the call as a blocking call would -- unless the group
     was stopped or restarted meanwhile, which ends the job with ``GroupClosedError``.
-    *Regenerate thread* (attached groups, ``nbdist-regenerate``): admits ranks torchrun restarted
-    into a relay of its own; the caller thread takes them on the next call.
+    *Regenerate thread* (attached groups, ``nbdist-regenerate``): alone admits the ranks torchrun
+    restarted, into a relay of its own, and hands the generation over under its condition; the
+    caller thread takes it on the next call. It stops when the group closes.
+    *Turn-away thread* (attached groups, ``nbdist-turn-away``, for a while after a stop): closes
+    on ranks torchrun restarts after the group stopped, so they exit; it starts only once the
+    regenerate thread has stopped, and is then the listener's only user.
+    *Prewarm thread* (``nbdist-prewarm``, once, at ``%load_ext nbdist`` or the first start): starts
+    the forkserver with torch imported; it shares only the ``__main__`` swap
+    (:func:`~nbdist.runtime.forkserver.main_hidden`, its own leaf lock) with a starting group.
+    *Widget poller* (``nbdist-launcher-status``, one per launcher panel) and *live view*
+    (``nbdist-watch-NAME``, one per watched job), in :mod:`nbdist.ui`: they only read --
+    ``status()``, ``job.metrics``, ``job.output`` -- and survive an error in one refresh.
     *Any thread or the GC*: a tensor on a pooled result segment dies and puts the segment on its
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may
@@ -63,11 +79,32 @@ Threading model
     wait for torchrun's next generation; the holder then tears the group down and raises
     ``GroupClosedError``. ``stop`` waits up to 5 s for that, else raises ``GroupBusyError`` saying
     what it could not stop. Interpreter exit uses ``stop(5.0)``.
-    Signals: Ctrl-C reaches the caller thread as ``KeyboardInterrupt`` wherever it runs. While
+    Signals: Ctrl-C reaches the main thread as ``KeyboardInterrupt`` wherever it runs. While
     sending or waiting, the call records the outcome ``interrupted`` and the policy interrupts the
     ranks (a rank whose request was cut in half is killed: its channel is torn); once every rank
     replied (unpickling the results, showing the output), only this call's results are lost and
     the group stays ready; anywhere else the group is torn down, and ``restart()`` brings it back.
+
+    Locks, outermost first (:data:`nbdist.wire.locks.ORDER`; a thread holding one may take only a
+    later one, and the test suite checks every acquisition against this order):
+    ``group`` (the group's ``RLock``: a call, a lifecycle change) -> ``generations`` (the
+    regenerate thread's hand-over) -> ``relay`` (an output relay's buffers; the router and the
+    lifeline hook run under it; a generation's relay nests the group's in ``move_to``) ->
+    ``abort`` (an attached group's abort of its ranks) -> ``output`` (the router's folder) ->
+    ``sink`` (the sink thread's queue) -> ``metrics`` (a call's rows) -> ``lifeline`` and
+    ``channel`` (one writer per socket) -> ``pool`` (segment hooks; finalizers take it).
+    Leaf locks outside the order, under which nothing else is taken: the ``__main__`` swap, the
+    launcher panel's refresh lock, and on the ranks the log batcher's and the stream pumps'.
+
+    Who writes what: the group's ``_state``, ``_rs``, ``_inc``, ``_job``, ``_last_call`` -- the
+    thread holding the group's lock (``_stop_requested`` also ``stop()`` from another thread,
+    which only sets it); a :class:`~nbdist.runtime.ranks.Rank` -- its own methods, called by the
+    thread holding the group's lock (or, while ranks start, by the thread starting them: the
+    caller's, or the regenerate thread for a generation nobody has taken yet); a
+    :class:`~nbdist.runtime.calls.Call`'s ``pending`` / ``replies`` / ``dead`` -- the thread
+    waiting on it; its ``output`` -- the relay thread (what each rank printed, appended by the
+    router); its ``metrics`` -- the waiting thread, under ``metrics`` (readers take copies); a
+    relay's buffers and streams -- whoever holds ``relay`` (only its reads close a stream).
 
 May import: :mod:`nbdist.backends`, :mod:`nbdist.wire`, :mod:`nbdist.errors`, :mod:`nbdist.report`,
 torch. Never strategies, memory, bench, Lightning or the notebook layer: code from those reaches

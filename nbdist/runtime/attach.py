@@ -25,7 +25,8 @@ from ..wire import transport
 from ..wire.relay import OutputRelay
 from .launcher import RANK_HOOKS, Launcher, custom_backend_blobs
 from .generations import Regenerator
-from .ranks import Rank, RemoteProcess
+from .processes import RemoteProcess
+from .ranks import Rank
 from .ready import Admission, accept_until_ready
 from .rendezvous import host_store
 from .teardown import interrupts_deferred
@@ -39,7 +40,7 @@ RESTART_REFUSAL = ("the ranks of an attached group were started by your launcher
 class AttachLauncher(Launcher):
     """Ranks started elsewhere by torchrun/srun join a group this process listens for."""
 
-    attached = True
+    ends_survivors = True
     broken_advice = ("nbdist cannot restart ranks that torchrun/srun started: call stop(), then "
                      "nbdist.attach() again and re-run the launcher command.")
 

@@ -76,7 +76,7 @@ class Call:
         try:
             for r in self.targets:
                 rank = rs[r]
-                rank.state, rank.busy_with, rank.since = "busy", self.what, self.started
+                rank.begin(self.what, self.started)
                 self.pending.add(r)  # before sending: an interrupted send leaves a torn channel
                 try:
                     freed = rs.take_freed(r)
@@ -91,7 +91,7 @@ class Call:
             for r in self.pending - sent:  # its request had not started: it is not in the call
                 if not rs[r].channel.torn:
                     self.pending.discard(r)
-                    rs[r].state, rs[r].since = "idle", None
+                    rs[r].settled()
 
     def poll(self, rs: RankSet, timeout: Optional[float]) -> None:
         """Read what has arrived within ``timeout`` seconds: replies, deaths, broken channels."""
@@ -119,7 +119,7 @@ class Call:
             if s == self.seq and r in self.pending:
                 self.pending.discard(r)
                 self.replies[r] = (status, body, paths)
-                rank.state, rank.since = "idle", None
+                rank.replied()
             else:
                 rs.release(r, paths)  # a late reply nobody will read
 
@@ -171,7 +171,7 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
         return Verdict(error=_deaths(call, rs), broken=True)
     waiting = sorted(call.pending)
     killed, torn = _stop_pending(call, rs, grace)
-    ended = (rs.abort_remote() if killed else []) if rs.remote else None
+    ended = (rs.abort_remote() if killed else []) if rs.ends_survivors else None
     after = _after_stop_text(killed, torn, grace, auto_restart, ended, rs)
     if call.outcome == TIMEOUT:
         error: BaseException = DistTimeoutError(
@@ -214,8 +214,7 @@ def _stop_pending(call: Call, rs: RankSet, grace: float):
     killed = sorted(call.pending | call.dead)
     rs.kill(killed)
     for rank in rs.ranks:
-        if rank.state == "busy":
-            rank.state = "idle"
+        rank.settled()
     return killed, sorted(torn)
 
 
@@ -247,17 +246,17 @@ def _deaths(call: Call, rs: RankSet) -> RankDiedError:
     while call.pending - call.dead and time.monotonic() < deadline:
         call.poll(rs, max(0.0, deadline - time.monotonic()))
     # a rank whose control channel closed is dead, even if its stderr has not said so yet
-    ended = rs.abort_remote(call.dead) if rs.remote else []
+    ended = rs.abort_remote(call.dead) if rs.ends_survivors else []
     dead = [r for r in sorted(call.dead) if r not in ended] or sorted(call.dead)
     deaths = {}
     for r in dead:
         rs[r].process.join(1.0)
         rs.relay.wait_closed(r, 1.0)
         deaths[r] = (rs[r].exit_status, rs.relay.tail(r))
-        rs[r].state = "dead"
+        rs[r].died()
     tails = " ".join(t for _, t in deaths.values())
     advice = ""
-    if rs.remote:
+    if rs.ends_survivors:
         text = _attached_advice([r for r in ended if r not in deaths], rs)
         advice = f"The group failed. {text[0].upper()}{text[1:]}."
     return RankDiedError(deaths, hint_for(tails) or "", advice)
@@ -294,7 +293,7 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
             if status != "ok":
                 dead_group = dead_group or bool(body.get("pg_failed"))
                 failures[r] = failure_from(body)
-                rs[r].last_error = f"{failures[r].type_name}: {failures[r].message}"
+                rs[r].failed(f"{failures[r].type_name}: {failures[r].message}")
                 results.append(None)
                 todo.pop(0)
                 continue
@@ -318,7 +317,7 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
         return Verdict(error=lost_results(
             call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
-        failure.where = getattr(rs[r].process, "where", "")
+        failure.where = rs[r].process.where
     if failures and dead_group:
         advice = _dead_group_advice(call, rs, world_size, auto_restart)
         return Verdict(error=RemoteError(failures, results, world_size, advice), broken=True)
@@ -331,7 +330,7 @@ def _dead_group_advice(call: Call, rs: RankSet, world_size: int, auto_restart: b
     """What a failed process group means for the group (it is shut down) and what to do."""
     text = ("the process group on the ranks can no longer be used (a collective timed out or "
             "failed), and torch.distributed does not recover from that: the group was shut down; ")
-    if rs.remote:
+    if rs.ends_survivors:
         text += _attached_advice(rs.abort_remote(), rs)
     elif auto_restart:
         text += "it restarts on the next call (auto_restart)"

@@ -27,6 +27,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import NbdistError
+from ..wire import locks
 from ..wire.relay import OutputRelay
 from .ranks import Rank, kill_all
 from .ready import Admission, AdmissionStopped, accept_until_ready
@@ -51,7 +52,7 @@ class Regenerator:
         self.generation = 1  #: the generation the group runs (or last ran)
         self._ready: Optional[Generation] = None
         self._arriving = False
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(locks.make("generations", reentrant=True))
         self._closed = False
         self._wake_r, self._wake_w = socket.socketpair()
         self._thread = threading.Thread(target=self._loop, name="nbdist-regenerate", daemon=True)
@@ -120,7 +121,7 @@ class Regenerator:
                 self._cond.notify_all()
             return
         for r in ready:
-            r.generation = self.generation + 1
+            r.of_generation(self.generation + 1)
         with self._cond:
             self._arriving = False
             self._cond.notify_all()

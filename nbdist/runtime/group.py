@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import itertools
 import secrets
-import threading
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..errors import GroupBusyError, GroupClosedError
-from ..wire import segments
+from ..wire import locks, segments
 from ..wire.relay import Sink
 from . import imports, requests
 from .calls import Call
@@ -29,6 +28,7 @@ from .metrics import Metrics
 from .output import RankOutput, rank_nodes
 from .ranks import Rank, RankSet
 from .status import GroupStatus, check_options, collect_status, generation_note
+from .teardown import interrupts_deferred
 
 
 #: Seconds ``stop(timeout)`` waits, once it killed what it could, for the thread holding the group.
@@ -68,7 +68,7 @@ class Group(Dispatch):
                  dedupe_output: bool = True, _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)
         self._launcher = _launcher or LocalLauncher()
-        self._lock = threading.RLock()  # held by a call from send to settle, and by lifecycle
+        self._lock = locks.make("group", reentrant=True)  # a call, send to settle; lifecycle
         self._seq = itertools.count(1)
         self._ranks: List[Rank] = []  # the current (or last) ranks, for status()
         self._rs: Optional[RankSet] = None  # the running ranks as a call sees them
@@ -217,12 +217,14 @@ class Group(Dispatch):
                     f"stop(timeout={timeout:g}) could not stop the group: another thread still "
                     f"holds it {STOP_WAIT:g} s later ({doing}). The stop is recorded: that thread "
                     "stops the group as soon as it is done; call stop() again to wait for it.")
-        try:
-            if self._state != "stopped":
-                self._shutdown()
-                self._state = "stopped"
-            self._stop_requested = False
-            self._launcher.close()  # an attached group stops listening for restarted ranks
+        try:  # to its end, a Ctrl-C meanwhile raised after it (the group is stopped by then)
+            with interrupts_deferred():
+                try:
+                    if self._state != "stopped":
+                        self._shutdown()
+                finally:
+                    self._state, self._stop_requested = "stopped", False
+                    self._launcher.close()  # an attached group stops listening for restarts
         finally:
             self._lock.release()
 
@@ -244,11 +246,14 @@ class Group(Dispatch):
 
     def _teardown(self) -> None:
         """After a failure: kill what still runs, release everything; ``restart()`` brings it back."""
-        if self._rs is not None:
-            self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
-        self._shutdown()
-        self._state = "stopped" if self._stop_requested else "broken"
-        self._stop_requested = False  # a stop from another thread is done
+        with interrupts_deferred():  # a Ctrl-C meanwhile is raised once the state is set
+            try:
+                if self._rs is not None:
+                    self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
+                self._shutdown()
+            finally:
+                self._state = "stopped" if self._stop_requested else "broken"
+                self._stop_requested = False  # a stop from another thread is done
 
     # ---- calls --------------------------------------------------------------------------------
     def run(self, fn: Callable, *args, **kwargs) -> List[Any]:

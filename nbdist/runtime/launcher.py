@@ -26,7 +26,8 @@ from .advice import option
 from .current import say_once
 from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F401
                          prewarm)  # prewarm: documented here
-from .ranks import LocalProcess, Rank, RankSet, kill_all
+from .processes import LocalProcess
+from .ranks import Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
 from .teardown import interrupts_deferred, run_all
 
@@ -42,7 +43,10 @@ class Launcher:
     leaving none running), :meth:`resolved` (what the ranks use: the group reports it), and
     :meth:`cleanup` when the group stops."""
 
-    attached = False
+    #: a failed call ends every other rank too: ranks a launcher elsewhere started (torchrun, srun)
+    #: must exit for it to see the job fail, or restart it (:meth:`RankSet.abort_remote
+    #: <nbdist.runtime.ranks.RankSet.abort_remote>`); ranks nbdist started are its own to stop
+    ends_survivors = False
     #: why :meth:`nbdist.Group.restart` cannot work for this kind of group (``None``: it can)
     restart_refusal: Optional[str] = None
     #: what to do with a broken group of this kind
@@ -93,7 +97,7 @@ class Incarnation:
             self.relay = OutputRelay(output.line, output.tick)
             ranks, self.store = launcher.launch(group_id, choice, opts, threads, self.tmp,
                                                 self.relay)
-            self.rs = RankSet(ranks, self.relay)
+            self.rs = RankSet(ranks, self.relay, launcher.ends_survivors)
             self.choice = launcher.resolved(choice, ranks)
             pool.set_release_hook(group_id, self._segment_freed)
         except BaseException:

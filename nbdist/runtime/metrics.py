@@ -5,10 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
-import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..report.units import percentile
+from ..wire import locks
 
 FIELDS = ("rank", "step", "name", "value", "time_s")
 """The columns of :class:`Metrics`: rank, step (``None`` if not given), scalar name, value, and
@@ -31,7 +31,7 @@ class Metrics:
 
     def __init__(self, rows: Optional[List[Tuple]] = None, max_rows: Optional[int] = MAX_ROWS):
         self._rows: List[Tuple] = list(rows or [])
-        self._lock = threading.Lock()
+        self._lock = locks.make("metrics")
         self.max_rows = max_rows  #: thin the older rows past this many (``None``: keep all)
         self.dropped = 0  #: rows dropped by thinning so far
 

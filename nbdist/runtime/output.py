@@ -22,6 +22,7 @@ import threading
 import time
 from typing import Callable, Deque, Dict, List, Optional
 
+from ..wire import locks
 from ..wire.relay import OutputRelay, Sink, default_sink
 from ..wire.repeats import RepeatFolder, Shown
 from .calls import Call
@@ -42,7 +43,7 @@ class RankOutput:
                  user_sink: Callable[[], Optional[Sink]] = lambda: None,
                  nodes: Callable[[], Dict[int, str]] = dict) -> None:
         self._user_sink, self._nodes = user_sink, nodes
-        self._lock = threading.Lock()
+        self._lock = locks.make("output")
         self._call: Optional[Call] = None
         self._folder: Optional[RepeatFolder] = None
         self._to_user = SinkThread()
@@ -141,7 +142,7 @@ class SinkThread:
     IDLE_S = 1.0
 
     def __init__(self) -> None:
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(locks.make("sink", reentrant=True))
         self._lines: Deque[tuple] = collections.deque()
         self._queued = self._delivered = 0
         self._thread: Optional[threading.Thread] = None
@@ -185,7 +186,7 @@ class SinkThread:
 def rank_nodes(ranks) -> Dict[int, str]:
     """rank -> node of the ranks a launcher started on named nodes (attached groups; else ``{}``)."""
     return {r.rank: str(r.process.node) for r in ranks
-            if str(getattr(r.process, "node", "?")) not in ("", "?")}
+            if str(r.process.node) not in ("", "?")}
 
 
 def _stream(name: str):

@@ -1,224 +1,124 @@
-"""The caller's handles on its ranks: one :class:`Rank` each, whatever started the process, and the
-:class:`RankSet` a call talks to.
+"""The caller's handles on its ranks: one :class:`Rank` each, whatever started its process
+(:mod:`.processes`), and the :class:`RankSet` a call talks to.
 
-A rank's process is either a :class:`LocalProcess` (a worker nbdist started: it has a sentinel and
-an exit code) or a :class:`RemoteProcess` (started by torchrun/srun elsewhere: alive while its
-lifeline is connected). Both answer the same questions -- ``exit_status``, ``kill()``, ``join()``
--- so nothing above this module asks which kind it has.
+A rank's state has one owner: the :class:`Rank` itself. Every change is one of its methods, and
+:data:`MOVES` is the whole state machine::
+
+    starting --ready()--> idle --begin()--> busy --replied() / settled()--> idle
+        any state --died()--> dead          any state but dead --stopped()--> stopped
+
+Who calls which (all on the thread that holds the group: the caller's, or a job's for its own
+call): the accept loop (:mod:`.ready`) ``connected()`` and ``ready()``; a call
+(:mod:`.calls`) ``begin()``, ``replied()``, ``settled()`` (a rank not reached by an interrupted
+send, or left after an interrupt) and ``died()``; the group's teardown (:meth:`RankSet.shutdown`)
+``stopped()``; a failed reply ``failed()``; an attached group's next generation (:mod:`.generations`)
+``of_generation()``. Other threads (``status()``, the launcher panel) only read.
 
 A failed attached group ends its remote ranks itself (:meth:`RankSet.abort_remote`): the moment one
 rank's lifeline closes unexpectedly -- or a call ends in a death, or a rank is killed -- every other
 remote rank is told to exit with :data:`~nbdist.wire.relay.ABORT_EXIT_CODE`, even one blocked inside
 a collective (its watchdog thread exits the process). torchrun then ends the job with a failure
-(or restarts it, with ``--max-restarts``) instead of holding the nodes.
+(or restarts it, with ``--max-restarts``) instead of holding the nodes. Whether a group's ranks are
+ended so is its launcher's word (``Launcher.ends_survivors``), handed to the :class:`RankSet`.
 """
 from __future__ import annotations
 
 import queue
 import selectors
-import sys
-import threading
 import time
-from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..errors import ExitStatus
-from ..wire import transport
-from ..wire.relay import ABORT_EXIT_CODE, OutputRelay
+from ..wire import locks, transport
+from ..wire.relay import OutputRelay
+from .processes import Process, select_exits, watch_exits
+
+#: A rank's states, each with the states it may move to (the one state machine; see above).
+MOVES = {
+    "starting": ("idle", "dead", "stopped"),
+    "idle": ("busy", "dead", "stopped"),
+    "busy": ("idle", "dead", "stopped"),
+    "dead": ("dead",),
+    "stopped": ("dead", "stopped"),
+}
 
 
-#: Whether a process sentinel can wait in a selector next to sockets. Not on Windows, where
-#: ``select()`` takes sockets only and a sentinel is a process handle: there, exits are polled
-#: every :data:`POLL_S` seconds instead (tests switch this off to run that path on Linux).
-SENTINELS_SELECTABLE = sys.platform != "win32"
-POLL_S = 0.1
-
-
-def watch_exits(sel: selectors.BaseSelector, ranks: Iterable["Rank"]) -> Dict[int, Any]:
-    """Register each rank's sentinel in ``sel`` as ``("dead", rank)``; return the processes that
-    must be polled instead (where sentinels are not selectable), by rank."""
-    polled = {}
-    for r in ranks:
-        if r.process.sentinel is None:
-            continue
-        if SENTINELS_SELECTABLE:
-            sel.register(r.process.sentinel, selectors.EVENT_READ, ("dead", r.rank))
-        else:
-            polled[r.rank] = r.process
-    return polled
-
-
-def select_exits(sel: selectors.BaseSelector, polled: Dict[int, Any],
-                 timeout: Optional[float]) -> List[Any]:
-    """``sel.select(timeout)`` as ``(data, fileobj)`` pairs, plus ``(("dead", r), None)`` for each
-    polled process that has exited (the wait is then at most :data:`POLL_S`)."""
-    if polled:
-        timeout = POLL_S if timeout is None else min(timeout, POLL_S)
-    events = [(key.data, key.fileobj) for key, _ in sel.select(timeout)]
-    return events + [(("dead", r), None) for r, p in list(polled.items())
-                     if p.exit_status is not None]
-
-
-class LocalProcess:
-    """A worker nbdist started (a ``multiprocessing.Process``).
-
-    Any thread may ask for its ``exit_status`` or ``kill()`` it while the group's thread
-    :meth:`release` s it: each reads the handle once, and a handle released meanwhile means the
-    exit status is known (``release`` records it first).
-    """
-
-    def __init__(self, process):
-        self._process = process
-        self.pid: Optional[int] = process.pid
-        self.sentinel = process.sentinel
-        self._status: Optional[ExitStatus] = None
-
-    @property
-    def exit_status(self) -> Optional[ExitStatus]:
-        """``None`` while the process runs; its :class:`ExitStatus` after."""
-        process = self._process  # once: release() may clear it from another thread
-        if self._status is None and process is not None:
-            try:
-                code = process.exitcode
-            except ValueError:  # closed by release() meanwhile, which recorded the status
-                code = None
-            if code is not None and self._status is None:
-                self._status = ExitStatus(code)
-        return self._status
-
-    def kill(self) -> None:
-        """SIGKILL the process (safe from any thread, and after it exited)."""
-        process = self._process
-        if self._status is None and process is not None:
-            try:
-                process.kill()
-            except (OSError, ValueError):
-                pass  # reaped and closed meanwhile
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        """Wait for the process to exit."""
-        process = self._process
-        if self._status is None and process is not None:
-            try:
-                process.join(timeout)
-            except ValueError:
-                pass  # released meanwhile: it has exited
-
-    def expect_exit(self) -> None:
-        """Nothing to note: the exit code says how it ended."""
-
-    def abort(self) -> bool:
-        """A local rank is stopped or killed by the group's teardown: nothing to do here."""
-        return False
-
-    def release(self) -> None:
-        """Free the process handle once it has exited (its exit status is kept)."""
-        if self.exit_status is not None and self._process is not None:
-            process, self._process = self._process, None
-            process.close()
-
-
-class RemoteProcess:
-    """A rank nbdist did not start (torchrun/srun on another host): alive while its lifeline is.
-
-    After the lifeline closes, its exit status is 0 if the rank was told to stop,
-    :data:`ABORT_EXIT_CODE` if it was told to abort, else ``lost``. A rank whose host stopped
-    answering (on its lifeline or its control ``channel``: no end of stream ever comes) is ``lost``
-    at once, saying so.
-    """
-
-    sentinel = None
-
-    def __init__(self, rank: int, pid: int, host: str, relay: OutputRelay, node: str = "?",
-                 channel: Optional[transport.Channel] = None):
-        self.rank, self.pid, self.host, self.node, self._relay = rank, pid, host, node, relay
-        self.channel = channel
-        self._expected: Optional[int] = None  # the exit code we asked for
-
-    @property
-    def exit_status(self) -> Optional[ExitStatus]:
-        """``None`` while connected, then ``ExitStatus(0)`` or ``ExitStatus(lost=True)``."""
-        lifeline = self._relay.lifeline(self.rank)
-        if lifeline is None:
-            return None
-        silent = lifeline.why or self._silent
-        if silent:
-            return ExitStatus(lost=True, where=self.where, why=silent)
-        if lifeline.alive:
-            return None
-        if self._expected is not None:
-            return ExitStatus(self._expected)
-        return ExitStatus(lost=True, where=self.where)
-
-    @property
-    def _silent(self) -> str:
-        """Why the control channel was given up, if its peer's host stopped answering."""
-        channel = self.channel
-        return channel.failure if channel is not None and channel.peer_silent else ""
-
-    @property
-    def where(self) -> str:
-        """``"node 1, host gpu7"`` (``"host gpu7"`` when the launcher named no node): how
-        messages place this rank."""
-        node = f"node {self.node}, " if self.node not in ("", "?") else ""
-        return f"{node}host {self.host}"
-
-    @property
-    def ended_by_us(self) -> bool:
-        """True if the group told this rank to stop or to abort."""
-        return self._expected is not None
-
-    def expect_exit(self) -> None:
-        """We asked the rank to stop: its lifeline closing then means a clean exit."""
-        if self._expected is None:
-            self._expected = 0
-
-    def abort(self) -> bool:
-        """Tell the rank to exit with :data:`ABORT_EXIT_CODE` (its group failed); True if told."""
-        lifeline = self._relay.lifeline(self.rank)
-        if self._expected == ABORT_EXIT_CODE or lifeline is None or not lifeline.abort():
-            return False
-        self._expected = ABORT_EXIT_CODE
-        return True
-
-    def kill(self) -> None:
-        """Ask the worker's watchdog to SIGKILL its own process."""
-        lifeline = self._relay.lifeline(self.rank)
-        if lifeline is not None:
-            lifeline.kill()
-
-    def use_relay(self, relay: OutputRelay) -> None:
-        """The rank's streams moved to ``relay`` (a generation admitted in the background)."""
-        self._relay = relay
-
-    def join(self, timeout: Optional[float] = None) -> None:
-        """Wait until the rank's streams are closed (not at all once its host stopped answering:
-        nothing more will come from it)."""
-        if not self._silent:
-            self._relay.wait_closed(self.rank, 3600.0 if timeout is None else timeout)
-
-    def release(self) -> None:
-        """Nothing to release."""
-
-
-@dataclass
 class Rank:
-    """The caller's handle on one rank.
+    """The caller's handle on one rank: its process, its control channel, and its state, which
+    only the methods below change (see :data:`MOVES`)."""
 
-    ``state`` is ``"starting"`` until the rank reported ready, then ``"idle"`` / ``"busy"`` (set by
-    the call in flight), and finally ``"dead"`` or ``"stopped"`` (set by the group's teardown).
-    """
+    def __init__(self, rank: int, process: Process,
+                 channel: Optional[transport.Channel] = None):
+        self.rank, self.process, self.channel = rank, process, channel
+        self.info: Optional[Dict[str, Any]] = None  #: what the rank reported when ready
+        self._state = "starting"
+        self.busy_with = ""  #: what the call in flight runs (``"busy"`` only)
+        self.since: Optional[float] = None  #: when that call started (wall clock)
+        self.last_error = ""  #: the last Python error the rank replied with
+        self.generation = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
 
-    rank: int
-    process: Any  # LocalProcess | RemoteProcess
-    channel: Optional[transport.Channel] = None
-    info: Optional[Dict[str, Any]] = None
-    state: str = "starting"
-    busy_with: str = ""
-    since: Optional[float] = None
-    last_error: str = ""
-    generation: int = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
+    def __repr__(self) -> str:
+        return f"<Rank {self.rank}: {self.state}{' ' + self.busy_with if self.busy_with else ''}>"
 
+    @property
+    def state(self) -> str:
+        """``starting``, ``idle``, ``busy``, ``dead`` or ``stopped`` (changed only by the methods
+        below)."""
+        return self._state
+
+    def _move(self, to: str) -> None:
+        if to not in MOVES[self._state]:
+            raise RuntimeError(f"nbdist internal error: rank {self.rank} cannot go from "
+                               f"{self._state!r} to {to!r}")
+        self._state = to
+
+    # ---- the transitions --------------------------------------------------------------------
+    def connected(self, channel: transport.Channel) -> None:
+        """Its control connection was accepted (while ``starting``; the first one counts)."""
+        if self.channel is None:
+            self.channel = channel
+
+    def ready(self, info: Dict[str, Any]) -> None:
+        """It reported torch.distributed initialised: ``starting`` -> ``idle``."""
+        self._move("idle")
+        self.info = info
+
+    def begin(self, what: str, when: float) -> None:
+        """A call's request goes to it: ``idle`` -> ``busy`` with ``what`` since ``when``."""
+        self._move("busy")
+        self.busy_with, self.since = what, when
+
+    def replied(self) -> None:
+        """Its reply to the call arrived: ``busy`` -> ``idle``."""
+        self._move("idle")
+        self.busy_with, self.since = "", None
+
+    def settled(self) -> None:
+        """The call is over for it without a reply (never reached by an interrupted send, or
+        interrupted and then killed or given up on): ``busy`` -> ``idle``; no-op otherwise."""
+        if self.state == "busy":
+            self.replied()
+
+    def died(self) -> None:
+        """Its process is gone without being asked to (any state -> ``dead``)."""
+        self._move("dead")
+        self.busy_with, self.since = "", None
+
+    def stopped(self) -> None:
+        """The group's teardown ended it (``dead`` stays ``dead``)."""
+        if self.state != "dead":
+            self._move("stopped")
+            self.busy_with, self.since = "", None
+
+    def failed(self, text: str) -> None:
+        """It replied with a Python error (kept for ``status()``; the state does not change)."""
+        self.last_error = text
+
+    def of_generation(self, generation: int) -> None:
+        """It belongs to an attached group's ``generation`` (torchrun restarted the ranks)."""
+        self.generation = generation
+
+    # ---- what it is -------------------------------------------------------------------------
     @property
     def pid(self) -> Optional[int]:
         """The worker's process id (on its own host)."""
@@ -228,9 +128,9 @@ class Rank:
     def exit_status(self) -> Optional[ExitStatus]:
         """``None`` while the process runs."""
         status = self.process.exit_status
-        why = getattr(self.channel, "failure", "")
+        why = self.channel.failure if self.channel is not None else ""
         if why and status is not None:  # its connection refused a message: that is the cause
-            return ExitStatus(lost=True, where=getattr(self.process, "where", ""), why=why)
+            return ExitStatus(lost=True, where=self.process.where, why=why)
         return status
 
 
@@ -256,16 +156,17 @@ class RankSet:
     Owned by the group from a successful start to its teardown; used by one call at a time.
     """
 
-    def __init__(self, ranks: List[Rank], relay: OutputRelay):
+    def __init__(self, ranks: List[Rank], relay: OutputRelay, ends_survivors: bool = False):
         self.ranks = ranks
         self.relay = relay
         self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
                                                             for r in ranks}
         self.aborted: List[int] = []  #: remote ranks told to exit because the group failed
-        self._abort_lock = threading.RLock()  # the relay's hook may re-enter abort_remote
+        self._abort_lock = locks.make("abort", reentrant=True)  # the relay's hook re-enters
         self._in_hook = False
-        self.remote = any(isinstance(r.process, RemoteProcess) for r in ranks)
-        if self.remote:
+        #: a failed call ends the other ranks (they were started elsewhere: ``abort_remote``)
+        self.ends_survivors = ends_survivors
+        if ends_survivors:
             relay.on_close = self._lifeline_closed
         self._sel = selectors.DefaultSelector()
         for r in ranks:
@@ -325,7 +226,7 @@ class RankSet:
         """(Relay thread.) A remote rank's connection ended: unless we asked for it, the group
         has failed -- its collectives can never complete -- so end the other remote ranks now."""
         if self._in_hook or not 0 <= r < len(self.ranks) or \
-                getattr(self.ranks[r].process, "ended_by_us", True):
+                self.ranks[r].process.ended_by_us:
             return
         self._in_hook = True  # the relay's lock serialises this hook; drain() may re-enter it
         try:
@@ -342,7 +243,7 @@ class RankSet:
         dead = set(dead)
         with self._abort_lock:
             for r in self.ranks:
-                if r.rank in dead or getattr(r.channel, "failure", ""):
+                if r.rank in dead or (r.channel is not None and r.channel.failure):
                     continue  # lost, or its connection refused a message: not aborted by us
                 if r.exit_status is None and r.process.abort():
                     self.aborted.append(r.rank)
@@ -364,7 +265,7 @@ class RankSet:
                     torn = True
             elif r.exit_status is None:
                 r.process.kill()
-        if torn and self.remote:
+        if torn and self.ends_survivors:
             self.abort_remote()  # not a clean stop: the launcher must not wait for the others
         deadline = time.monotonic() + wait
         for r in self.ranks:
@@ -374,5 +275,5 @@ class RankSet:
         deadline = time.monotonic() + 0.5  # the last lines of every rank, all ranks together
         for r in self.ranks:
             self.relay.wait_closed(r.rank, max(0.0, deadline - time.monotonic()))
-            r.state = "dead" if r.state == "dead" else "stopped"
+            r.stopped()
         self._sel.close()

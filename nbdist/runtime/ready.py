@@ -21,7 +21,8 @@ from ..errors import (DistTimeoutError, ExitStatus, NbdistError, RankDiedError, 
 from ..wire import transport
 from ..wire.relay import OutputRelay
 from .advice import option
-from .ranks import Rank, select_exits, watch_exits
+from .processes import select_exits, watch_exits
+from .ranks import Rank
 
 
 class AdmissionStopped(NbdistError):
@@ -123,8 +124,7 @@ def _accept(listener, key, world_size, ranks, relay, sel, admission: Admission) 
     if role != "control":
         relay.add(rank, role, conn, seal)
         return
-    if r.channel is None:
-        r.channel = channel
+    r.connected(channel)
     ranks[rank] = r
     sel.register(conn, selectors.EVENT_READ, ("ctl", rank))
     admission.joined(r)
@@ -135,13 +135,13 @@ def _on_control(r: Rank, sel, failures, dead) -> None:
         kind, _, body = r.channel.recv()
     except (ConnectionError, OSError):
         r.process.join(1.0)
-        where = getattr(r.process, "where", "")
+        where = r.process.where
         dead[r.rank] = (r.exit_status or ExitStatus(lost=True, where=where, why=r.channel.failure),
                         "")
         sel.unregister(r.channel.sock)
         return
     if kind == "ready":
-        r.info, r.state = body, "idle"
+        r.ready(body)
     else:
         failures[r.rank] = failure_from(body)
     sel.unregister(r.channel.sock)

@@ -121,7 +121,7 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
         rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
                                info.get("backend", backend), rstate,
                                r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
-                               rss, r.last_error, str(getattr(r.process, "node", ""))))
+                               rss, r.last_error, str(r.process.node)))
     return GroupStatus(state + generation_note(ranks), world_size, backend, device, rows, job)
 
 

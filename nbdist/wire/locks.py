@@ -20,11 +20,12 @@ from typing import List, Tuple
 #: Outermost first. ``group``: a group's call/lifecycle lock (held from send to settle);
 #: ``generations``: an attached group's next-generation hand-over; ``relay``: an output relay's
 #: buffers (its sink and lifeline hook run under it); ``abort``: an attached group's abort of its
-#: remote ranks; ``output``: the output router's folder; ``metrics``: a call's logged rows;
+#: remote ranks; ``output``: the output router's folder; ``sink``: the queue of lines for the
+#: user's ``output=`` sink (its thread calls the sink outside it); ``metrics``: a call's logged rows;
 #: ``lifeline`` and ``channel``: one writer at a time on a rank's command and control sockets;
 #: ``pool``: the pooled-segment release hooks (taken from finalizers: must stay innermost).
-ORDER: Tuple[str, ...] = ("group", "generations", "relay", "abort", "output", "metrics",
-                          "lifeline", "channel", "pool")
+ORDER: Tuple[str, ...] = ("group", "generations", "relay", "abort", "output", "sink",
+                          "metrics", "lifeline", "channel", "pool")
 #: Names of which two different locks may nest: a generation's relay hands its streams to the
 #: group's relay (``OutputRelay.move_to``) holding its own lock; the group's never takes another.
 NESTABLE = frozenset({"relay"})

@@ -18,11 +18,12 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
+from . import locks
 from .segments import write_all
 
 POOL_BYTES = 2 << 30  # at most this much idle shared memory kept per worker
 _hooks: Dict[str, Callable[[str], None]] = {}
-_hooks_lock = threading.Lock()
+_hooks_lock = locks.make("pool")
 
 
 def set_release_hook(group_id: str, hook: Optional[Callable[[str], None]]) -> None:

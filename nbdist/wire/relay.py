@@ -28,6 +28,7 @@ import threading
 import time
 from typing import Callable, Deque, Dict, Optional, Tuple
 
+from . import locks
 from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
 from .transport import UNANSWERED
 
@@ -58,7 +59,7 @@ class Lifeline:
         self._sock = sock
         self._closed = closed
         self._seal = seal  # protected: each command goes in a sealed frame
-        self._lock = threading.Lock()
+        self._lock = locks.make("lifeline")
         #: why the stream ended without an end of stream ("" if it ended or still runs): its
         #: host stopped answering (:data:`~nbdist.wire.transport.UNANSWERED`)
         self.why = ""
@@ -122,7 +123,7 @@ class OutputRelay:
         #: Called with the rank whose lifeline just closed (relay thread, under the relay's lock).
         self.on_close: Optional[Callable[[int], None]] = None
         self._sel = selectors.DefaultSelector()
-        self._lock = threading.RLock()
+        self._lock = locks.make("relay", reentrant=True)
         self._partial: Dict[Tuple[int, str], bytes] = {}
         self._tails: Dict[int, Deque[str]] = {}
         self._eof: Dict[Tuple[int, str], threading.Event] = {}

@@ -27,11 +27,11 @@ import pickle
 import select
 import socket
 import struct
-import threading
 import time
 from hashlib import sha256
 from typing import Any, Dict, Optional, Tuple
 
+from . import locks
 from . import seal as seal_module
 from .seal import IntegrityError, Seal, read_frame  # noqa: F401 -- IntegrityError: re-exported
 
@@ -233,7 +233,7 @@ class Channel:
         self.sock = sock
         self.seal = seal
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._send_lock = threading.Lock()
+        self._send_lock = locks.make("channel")
         self.torn = False  # True while a message is half sent or half read (an interrupt hit)
         #: why the connection was given up ("" while it is fine): a protected message failed its
         #: check, the peer's host stopped answering (:data:`UNANSWERED`), or a message stalled

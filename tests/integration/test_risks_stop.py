@@ -10,7 +10,7 @@ import pytest
 
 import nbdist
 from nbdist.runtime import jobs
-from nbdist.runtime.ranks import LocalProcess
+from nbdist.runtime.processes import LocalProcess
 
 from attach_helpers import Cluster
 

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import nbdist
-from nbdist.runtime import attach, ranks
+from nbdist.runtime import attach, processes
 from nbdist.wire import segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -59,7 +59,7 @@ def test_an_unknown_start_method_is_refused_before_anything_starts(monkeypatch):
 @pytest.mark.parametrize("how", ["during a call", "while starting"])
 def test_a_dead_rank_is_found_when_exits_are_polled_as_on_windows(monkeypatch, how):
     """Windows' select() takes sockets only: there nbdist polls process exits. Same verdicts."""
-    monkeypatch.setattr(ranks, "SENTINELS_SELECTABLE", False)
+    monkeypatch.setattr(processes, "SENTINELS_SELECTABLE", False)
     if how == "while starting":
         ns = {"__name__": "__main__"}
         exec("import os\ndef create(store, rank, size, timeout):\n"

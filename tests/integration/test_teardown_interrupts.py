@@ -13,14 +13,14 @@ import signal
 import pytest
 
 import nbdist
-from nbdist.runtime import launcher, ranks
+from nbdist.runtime import launcher, processes, ranks
 from nbdist.wire import relay, segments
 
 pytestmark = pytest.mark.timeout(120)
 
 #: where a teardown can be interrupted: (object, attribute) of the step
 POINTS = {
-    "reaping the ranks": (ranks.LocalProcess, "join"),
+    "reaping the ranks": (processes.LocalProcess, "join"),
     "killing stragglers": (ranks, "kill_all"),
     "showing the last output": (relay.OutputRelay, "drain"),
     "closing the output relay": (relay.OutputRelay, "close"),

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from nbdist.runtime import generations
-from nbdist.runtime.ranks import Rank, RemoteProcess
+from nbdist.runtime.processes import RemoteProcess
+from nbdist.runtime.ranks import Rank
 from nbdist.runtime.ready import Admission
 from nbdist.wire import transport
 from nbdist.wire.relay import OutputRelay
@@ -30,7 +31,7 @@ def test_a_generation_that_joins_as_the_group_stops_is_told_to_exit(monkeypatch)
                 relay.add(r, stream, ours)
                 peers[(r, stream)] = theirs
             ranks[r] = Rank(r, RemoteProcess(r, 1000 + r, "node-host", relay, "1"))
-            ranks[r].state = "idle"
+            ranks[r].ready({})
         joined.set()
         while not regen._closed:  # the last rank joins right as the group stops
             time.sleep(0.01)
