@@ -54,7 +54,8 @@ class Group(Dispatch):
             about 3x slower small collectives).
         grace: seconds a rank gets to react to SIGINT before it is killed.
         auto_restart: restart the group by itself after a failure that broke it.
-        output: ``sink(rank, stream, text)`` receiving every line of the ranks' output.
+        output: ``sink(rank, stream, text)`` receiving every line of the ranks' output, in order,
+            on a thread of its own (``nbdist-sink``); a call returns once the sink got its lines.
         dedupe_output: show a repeated line once, labelled with its ranks (:attr:`dedupe_output`).
         max_world_size: raise the CPU sanity limit on ``world_size``.
     """

@@ -159,8 +159,10 @@ def test_a_real_ctrl_c_during_a_large_submit(group):
     def sized():
         return len(blob)
 
-    def fire_when_busy():
-        while group.state != "busy":
+    submitted = threading.Event()
+
+    def fire_when_busy():  # as the send starts, or at once if it was over before this looked
+        while group.state != "busy" and not submitted.is_set():
             time.sleep(0.001)
         signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
@@ -169,10 +171,12 @@ def test_a_real_ctrl_c_during_a_large_submit(group):
     job = None
     try:
         job = group.submit(sized)
+        submitted.set()
         time.sleep(30)  # the SIGINT lands here if the send was over before it came
     except (KeyboardInterrupt, nbdist.GroupInterrupted):
         pass
     finally:
+        submitted.set()
         timer.join()
     del blob
     running = group.job or job
