@@ -29,7 +29,9 @@ def nbstore():
 
 
 def states(panel: Launcher):
-    """Each rank's state in the launcher's status."""
+    """Each rank's state in the launcher's status, read now: the panel's own thread refreshes every
+    ``refresh_interval`` s, so its last refresh may have run during the last call (a rank busy)."""
+    panel.refresh()
     return [r.state for r in panel.status.ranks]
 
 
@@ -157,9 +159,10 @@ def test_launcher_table_follows_a_running_call(shared_group, panels):
     shared_group.run(time.sleep, 1.0)  # the panel's thread refreshes while the kernel waits
     assert ("busy", "busy") in seen
     deadline = time.monotonic() + 5
-    while states(ui) != ["idle", "idle"] and time.monotonic() < deadline:
+    polled = lambda: [r.state for r in ui.status.ranks]  # noqa: E731 -- as the thread last read
+    while polled() != ["idle", "idle"] and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert states(ui) == ["idle", "idle"]
+    assert polled() == ["idle", "idle"]  # the panel's thread saw the call end by itself
     thread = ui._thread
     ui.close()
     assert not thread.is_alive()
