@@ -2,8 +2,10 @@
 
 JupyterLab runs from this venv with isolated config, runtime, settings and workspace folders, on a
 free port with a random token, serving a temporary copy of ``notebooks/``. Chromium is the system
-one (``/usr/bin/chromium``; playwright cannot download its own here); the tests skip, saying so,
-when it is missing. Teardown shuts the kernels down through the server's API (a kernel stops its
+one (``chromium``, ``chromium-browser`` or ``google-chrome`` on PATH; CI links playwright's own
+to ``/usr/bin/chromium``), else the one ``playwright install chromium`` downloaded; the tests
+skip, saying so, when there is none. A Chromium that playwright cannot drive (too old for it)
+fails with its path and version. Teardown shuts the kernels down through the server's API (a kernel stops its
 groups on exit), then stops the server; what is still left of the processes it started is killed
 by pid, so the suite's leak check finds nothing.
 """
@@ -24,7 +26,7 @@ import urllib.request
 import psutil
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
                  "--disable-component-update", "--disable-sync", "--no-first-run",
                  "--disable-quic"]
@@ -58,13 +60,37 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
+def _find_chromium():
+    """A Chromium on PATH, else playwright's own download (None: neither)."""
+    for name in CHROMIUM_NAMES:
+        found = shutil.which(name)
+        if found:
+            return found
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        bundled = p.chromium.executable_path
+    return bundled if os.path.exists(bundled) else None
+
+
+@pytest.fixture(scope="session")
 def chromium_path() -> str:
-    """The system Chromium; the test is skipped when it is not installed."""
-    if not os.path.exists(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: install it with `apt-get install -y chromium` "
-                    "(CI installs it in .ci/run)")
-    return CHROMIUM
+    """The Chromium the browser tests drive; they are skipped when there is none."""
+    pytest.importorskip("playwright")
+    found = _find_chromium()
+    if found is None:
+        pytest.skip(f"no Chromium: none of {', '.join(CHROMIUM_NAMES)} on PATH, and playwright "
+                    "has not downloaded one. Install one: `apt-get install -y chromium` (CI does, "
+                    "in .ci/run) or `python -m playwright install chromium`")
+    return found
+
+
+def _version(path: str) -> str:
+    try:
+        return subprocess.run([path, "--version"], capture_output=True, text=True,
+                              timeout=30).stdout.strip() or "version unknown"
+    except (OSError, subprocess.TimeoutExpired) as err:
+        return f"version unknown ({err})"
 
 
 @pytest.fixture
@@ -148,11 +174,18 @@ def _stop(lab: Lab) -> None:
 @pytest.fixture
 def page(chromium_path):
     """A page in headless Chromium (1400x1400); the browser is closed after the test."""
+    from playwright.sync_api import Error as PlaywrightError
     from playwright.sync_api import sync_playwright
 
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=chromium_path, headless=True,
-                                    args=CHROMIUM_ARGS)
+        try:
+            browser = p.chromium.launch(executable_path=chromium_path, headless=True,
+                                        args=CHROMIUM_ARGS)
+        except PlaywrightError as err:
+            raise RuntimeError(f"playwright could not start {chromium_path} "
+                               f"({_version(chromium_path)}); an older Chromium than this "
+                               "playwright supports? `python -m playwright install chromium` "
+                               "gets a matching one") from err
         try:
             context = browser.new_context(viewport={"width": 1400, "height": 1400})
             yield context.new_page()
