@@ -1,7 +1,8 @@
 """Fixtures for the browser tests: JupyterLab on localhost and headless Chromium (playwright).
 
 JupyterLab runs from this venv with isolated config, runtime, settings and workspace folders, on a
-free port with a random token, serving a temporary copy of ``notebooks/``. Chromium is the system
+port it binds itself (port 0, read back from its server-info file: no port picked here can be
+taken by another process before the server binds it) with a random token, serving a temporary copy of ``notebooks/``. Chromium is the system
 one (``chromium``, ``chromium-browser`` or ``google-chrome`` on PATH; CI links playwright's own
 to ``/usr/bin/chromium``), else the one ``playwright install chromium`` downloaded; the tests
 skip, saying so, when there is none. A Chromium that playwright cannot drive (too old for it)
@@ -16,7 +17,6 @@ import os
 import pathlib
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -52,12 +52,6 @@ class Lab:
     def log_tail(self, n: int = 40) -> str:
         """The last ``n`` lines of the server's log (for failure messages)."""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _find_chromium():
@@ -116,25 +110,28 @@ def jupyterlab(tmp_path, chromium_path):
     env = dict(os.environ, JUPYTER_CONFIG_DIR=str(dirs["config"]),
                JUPYTER_RUNTIME_DIR=str(dirs["runtime"]), IPYTHONDIR=str(dirs["ipython"]),
                JUPYTER_PLATFORM_DIRS="1")
-    port, token = _free_port(), secrets.token_hex(16)
+    token = secrets.token_hex(16)
     log = tmp_path / "jupyterlab.log"
-    with open(log, "wb") as out:
+    with open(log, "wb") as out:  # port 0: the server binds a free one, and says which below
         proc = subprocess.Popen(
             [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-             "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}", "--ServerApp.port_retries=0",
+             "--ServerApp.ip=127.0.0.1", "--ServerApp.port=0", "--ServerApp.port_retries=0",
              f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={root}",
              f"--LabApp.workspaces_dir={dirs['workspaces']}",
              f"--LabApp.user_settings_dir={dirs['settings']}", "--LabApp.news_url=None",
              "--LabApp.expose_app_in_browser=True"],
             stdout=out, stderr=subprocess.STDOUT, env=env, cwd=root)
-    lab = Lab(f"http://127.0.0.1:{port}", token, root, proc, log)
+    lab = Lab("", token, root, proc, log)
     try:
         deadline = time.monotonic() + 60
         while True:
-            try:
+            try:  # the server info file in the runtime dir names the port it bound
+                info = json.loads(next(dirs["runtime"].glob("jpserver-*.json")).read_text())
+                lab.url = f"http://127.0.0.1:{info['port']}"
                 lab.api("/api/status")
                 break
-            except (urllib.error.URLError, ConnectionError, OSError):
+            except (StopIteration, ValueError, KeyError, urllib.error.URLError, OSError):
+                # not written yet, half written, or not answering yet
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"JupyterLab did not start (exit {proc.poll()}):\n"
                                        f"{lab.log_tail()}") from None
