@@ -33,7 +33,7 @@ def doctor_lines(timeout: float = 120.0) -> List[str]:
         return [f"DeepSpeed: not installed (optional: {DEEPSPEED_HINT})"]
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout)
+                              errors="replace", timeout=timeout)  # any locale, any output
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("nbdist-probe ")]
         info = json.loads(found[-1].split(" ", 1)[1]) if found else None
     except subprocess.TimeoutExpired:
