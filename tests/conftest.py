@@ -46,9 +46,10 @@ def _segments():
     """Segments of this process's groups that are no longer running (other sessions may share
     /dev/shm; a running group legitimately keeps its pooled result segments)."""
     from nbdist.runtime.group import _live, started_ids
+    from nbdist.wire.segments import SHM_DIR  # /dev/shm, or the temp dir where there is none
 
     running = {g.id for g in list(_live) if g.state != "stopped"}
-    return {p for p in glob.glob("/dev/shm/nbdist-*")
+    return {p for p in glob.glob(os.path.join(SHM_DIR, "nbdist-*"))
             if os.path.basename(p).split("-")[1] in started_ids - running}
 
 
@@ -112,3 +113,19 @@ def shared_group(request):
                      start_method=getattr(request, "param", None))
     yield g
     g.stop()
+
+
+@pytest.fixture
+def cpu_only_torch(monkeypatch):
+    """This process's torch answers as a CPU-only build on a machine without a GPU (the suite's
+    own setting: CI installs the +cpu wheel). Tests of nbdist's refusals for CUDA, NCCL, MPI or
+    UCC use it, so they also pass with a CUDA torch on a GPU host; the answers for such a host
+    are faked in tests/unit/test_backends.py (``fake_cuda``)."""
+    import torch
+    import torch.distributed as dist
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    for name in ("is_nccl_available", "is_mpi_available", "is_ucc_available",
+                 "is_xccl_available"):
+        monkeypatch.setattr(dist, name, lambda: False, raising=False)

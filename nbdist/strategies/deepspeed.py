@@ -12,7 +12,8 @@ The DeepSpeed config is built from notebook defaults, then ``**options`` merged 
 dicts merge key by key; other values replace)::
 
     train_micro_batch_size_per_gpu 1, gradient_accumulation_steps 1, steps_per_print off,
-    zero_allow_untested_optimizer true (any torch optimizer), bf16.enabled for "bf16-mixed",
+    zero_allow_untested_optimizer true (any torch optimizer), bf16.enabled for "bf16-mixed"
+    (fp16.enabled is refused on a CPU group on every CPU, see _check_precision),
     zero_optimization: stage 1 | 2 | 3,
         reduce_bucket_size = allgather_bucket_size = max(largest parameter, Ψ/4) elements
             (DeepSpeed's 5e8 default is a ~2 GB buffer per rank whatever the model),
@@ -209,6 +210,17 @@ def _import(device: torch.device):
 
 
 def _check_precision(config: Dict[str, Any], accelerator) -> None:
+    """Refuse a half precision that does not train here, before anything runs. fp16 on a CPU is
+    refused whatever DeepSpeed's cpu accelerator says (it says "supported" on CPUs with
+    avx512_fp16 / AMX-FP16): DeepSpeed's fp16 mode scales the loss, so the usual loop's
+    ``loss.backward()`` fails in its backward hook, and its skipped overflow steps are a GPU
+    trade-off; bf16 has fp32's range and needs no loss scaling, on every CPU."""
+    if config.get("fp16", {}).get("enabled") and accelerator.device_name() == "cpu":
+        raise ValueError("fp16={'enabled': True} is refused on a CPU group, whatever fp16 support "
+                         "this CPU has: DeepSpeed's fp16 mode is made for GPUs (its loss scaling "
+                         "needs engine.backward(loss), not the usual loss.backward()). Use "
+                         "precision='bf16-mixed' instead (bf16 keeps fp32's range: no loss "
+                         "scaling), or precision='fp32'")
     for key, supported in (("fp16", accelerator.is_fp16_supported()),
                            ("bf16", accelerator.is_bf16_supported())):
         if config.get(key, {}).get("enabled") and not supported:

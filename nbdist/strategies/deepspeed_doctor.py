@@ -33,7 +33,7 @@ def doctor_lines(timeout: float = 120.0) -> List[str]:
         return [f"DeepSpeed: not installed (optional: {DEEPSPEED_HINT})"]
     try:
         proc = subprocess.run([sys.executable, "-c", _PROBE], capture_output=True, text=True,
-                              timeout=timeout)
+                              errors="replace", timeout=timeout)  # any locale, any output
         found = [ln for ln in proc.stdout.splitlines() if ln.startswith("nbdist-probe ")]
         info = json.loads(found[-1].split(" ", 1)[1]) if found else None
     except subprocess.TimeoutExpired:
@@ -42,11 +42,10 @@ def doctor_lines(timeout: float = 120.0) -> List[str]:
         tail = (proc.stderr.strip().splitlines() or ["no output"])[-1] if proc else "timed out"
         lines = [f"DeepSpeed {version}: installed, but importing it failed here ({tail})"]
     else:
-        precisions = ", ".join(k for k in ("bf16", "fp16") if info[k]) or "none"
         lines = [f"DeepSpeed {version}: picks accelerator {info['accelerator']!r} and "
                  f"communication backend {info['comm']!r} in a plain process (half precision: "
-                 f"{precisions}); in a group, deepspeed_zero* run over the group's own process "
-                 "group, and on CPU nbdist sets its accelerator to 'cpu'"]
+                 f"{_precisions(info)}); in a group, deepspeed_zero* run over the group's own "
+                 "process group, and on CPU nbdist sets its accelerator to 'cpu'"]
     cxx = os.environ.get("CXX") or ("cl" if sys.platform == "win32" else "c++")
     compiler = shutil.which(cxx)
     lines.append(f"  C++ compiler for DeepSpeed's own ops: {compiler}" if compiler else
@@ -55,3 +54,12 @@ def doctor_lines(timeout: float = 120.0) -> List[str]:
     lines.append("  (the deepspeed_zero* strategies need none: nbdist skips the one DeepSpeed "
                  "would build, its Linux shared-memory op, deepspeed_shm_comm)")
     return lines
+
+
+def _precisions(info) -> str:
+    """The half precisions DeepSpeed's accelerator reports; on the CPU, where it reports fp16 (a
+    CPU with avx512_fp16 / AMX-FP16), that nbdist refuses fp16 there all the same."""
+    found = ", ".join(k for k in ("bf16", "fp16") if info[k]) or "none"
+    if info["accelerator"] == "cpu" and info["fp16"]:
+        found += " -- fp16 is refused on a CPU group whatever the CPU: use bf16"
+    return found

@@ -48,11 +48,11 @@ def _index(page, text):
 
 def _longer(path, steps=1500):
     """The copy's background cell trains for ``steps`` steps instead of the tutorial's 120."""
-    nb = json.loads(path.read_text())
+    nb = json.loads(path.read_text(encoding="utf-8"))
     cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("%%dist --bg job"))
     assert "".join(cell["source"]) == "%%dist --bg job\ntrain()"
     cell["source"] = f"%%dist --bg job\ntrain({steps})"
-    path.write_text(json.dumps(nb))
+    path.write_text(json.dumps(nb), encoding="utf-8")
 
 
 @pytest.mark.timeout(240)

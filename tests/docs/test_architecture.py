@@ -22,7 +22,8 @@ PACKAGE = re.compile(r"\bnbdist\.(\w+)")
 
 
 def _contracts():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))["tool"]["importlinter"]
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    config = tomllib.loads(pyproject)["tool"]["importlinter"]
     return {c["id"]: c for c in config["contracts"]}
 
 
@@ -77,4 +78,5 @@ def test_the_page_is_in_the_toctree_and_links_the_runtime_threading_model():
     toctrees = re.findall(r"```\{toctree\}\n(.*?)```", index, re.S)
     assert any(re.search(r"^architecture$", t, re.M) for t in toctrees), "not in docs/index.md's toctree"
     assert "{py:mod}`nbdist.runtime`" in PAGE.read_text(encoding="utf-8")
-    assert re.search(r"automodule:: nbdist\.runtime\b", (ROOT / "docs" / "api.md").read_text())
+    api = (ROOT / "docs" / "api.md").read_text(encoding="utf-8")
+    assert re.search(r"automodule:: nbdist\.runtime\b", api)

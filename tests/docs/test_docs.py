@@ -186,14 +186,14 @@ def test_widgets_render_from_local_javascript(site):
 def test_environment_yml_structure():
     yaml = pytest.importorskip("yaml")
     tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
-    env = yaml.safe_load((ROOT / "environment.yml").read_text())
+    env = yaml.safe_load((ROOT / "environment.yml").read_text(encoding="utf-8"))
     assert env["name"] == "nbdist"
     assert env["channels"] == ["conda-forge"]
     deps = env["dependencies"]
     specs = [d for d in deps if isinstance(d, str)]
     names = {re.split(r"[\s=<>!\[]", s, maxsplit=1)[0] for s in specs}
     # the project's core dependencies, under their conda-forge names
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text(encoding="utf-8"))
     core = {re.split(r"[\s=<>!\[;]", d, maxsplit=1)[0] for d in pyproject["project"]["dependencies"]}
     conda_name = {"torch": "pytorch"}
     assert {"python", "pip"} | {conda_name.get(c, c) for c in core} <= names, names
@@ -221,20 +221,21 @@ def test_binder_dockerfile_installs_cpu_torch_and_nbdist():
     assert "environment.yml" not in re.sub(r"environment\.py-[\d.]+-linux-64\.lock", "", out)
     assert 'COPY --chown=1000:1000 src/binder/requirements.txt' in out
     assert 'pip install --no-cache-dir -r "binder/requirements.txt"' in out
-    reqs = [line.strip() for line in (ROOT / "binder" / "requirements.txt").read_text().splitlines()
+    binder = (ROOT / "binder" / "requirements.txt").read_text(encoding="utf-8")
+    reqs = [line.strip() for line in binder.splitlines()
             if line.strip() and not line.startswith("#")]
     assert "--extra-index-url https://download.pytorch.org/whl/cpu" in reqs
     torch_pin = next(r for r in reqs if r.startswith("torch"))
     assert torch_pin.endswith("+cpu"), torch_pin
-    constraint = next(line for line in (ROOT / "constraints-dev.txt").read_text().splitlines()
-                      if line.startswith("torch=="))
+    constraints = (ROOT / "constraints-dev.txt").read_text(encoding="utf-8")
+    constraint = next(line for line in constraints.splitlines() if line.startswith("torch=="))
     assert torch_pin == constraint + "+cpu", "binder's torch should match constraints-dev.txt"
     assert any(re.match(r"(-e\s+)?\.\[[\w,]*notebook[\w,]*\]$", r) for r in reqs), reqs
 
 
 @pytest.mark.timeout(30)
 def test_readme_has_a_binder_badge_opening_jupyterlab_on_the_tutorials():
-    readme = (ROOT / "README.md").read_text()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
     badge = re.search(r"\[!\[[^\]]*\]\(https://mybinder\.org/badge_logo\.svg\)\]\((https://mybinder"
                       r"\.org/v2/gh/[^)]+)\)", readme)
     assert badge, "no Binder badge in README.md"

@@ -3,6 +3,7 @@ join one notebook-side :func:`nbdist.attach` group: shared by the attached-group
 import contextlib
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -13,10 +14,32 @@ import time
 import nbdist
 
 
-def free_port():
-    """A TCP port free on loopback right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _ephemeral_low():
+    """The lowest port the kernel hands out by itself (bind to port 0, outgoing connections)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 49152  # macOS and Windows (IANA's dynamic range)
+
+
+def free_port(host="127.0.0.1"):
+    """A TCP port free on ``host`` right now, for a process the test starts later to bind.
+
+    Picked below the kernel's ephemeral range where there is room: a port from ``bind(0)`` could
+    be handed to another process (a gloo pair, a TCPStore on port 0, an outgoing connection; other
+    test runs share the machine) before the test's process binds it."""
+    low = _ephemeral_low()
+    for _ in range(100) if low > 12_000 else ():
+        port = random.randrange(10_000, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:  # taken (or in TIME_WAIT): another one
+                continue
+            return port
+    with socket.socket() as s:  # no room below the range (a tuned machine): as the kernel picks
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

@@ -37,7 +37,7 @@ def run_ranks(fn, world_size, timeout=90, may_die=()):
     """
     master = dist.TCPStore(HOST, 0, is_master=True, wait_for_workers=False,
                            timeout=timedelta(seconds=60))
-    prefix = f"{fn.__name__}-{time.monotonic_ns()}"
+    prefix = f"{getattr(fn, 'func', fn).__name__}-{time.monotonic_ns()}"  # fn: maybe a partial
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_entry, args=(fn, r, world_size, master.port, prefix, timeout),
                          daemon=True) for r in range(world_size)]

@@ -100,7 +100,7 @@ class Ranks:
     through a :class:`Proxy`; each rank's own stderr (the launcher's log) goes to a file."""
 
     def __init__(self, tmp_path, world_size=2, host="127.0.0.1", netns=None, **attach_kwargs):
-        self.port = free_port() if netns is None else _free_port_on(host)
+        self.port = free_port(host)
         self.key_file = str(tmp_path / "key.hex")
         self.logs = [str(tmp_path / f"rank{r}.log") for r in range(world_size)]
         self.procs = []
@@ -147,12 +147,6 @@ class Ranks:
                     os.killpg(p.pid, signal.SIGKILL)
                 p.wait(30)
             self.proxy.close()
-
-
-def _free_port_on(host):
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture

@@ -123,8 +123,9 @@ def test_the_optimizer_works_with_torch_lr_schedulers(shared_group):
 
 
 @pytest.mark.parametrize("options,text", [
-    (dict(fp16={"enabled": True}), "fp16 does not work here: DeepSpeed's cpu accelerator has no "
-     "fp16 support. Use precision='bf16-mixed' instead"),
+    (dict(fp16={"enabled": True}), "fp16={'enabled': True} is refused on a CPU group, whatever "
+     "fp16 support this CPU has: DeepSpeed's fp16 mode is made for GPUs (its loss scaling needs "
+     "engine.backward(loss), not the usual loss.backward())"),
     (dict(zero_optimization={"stage": 3}), "the strategy is DeepSpeed ZeRO stage 1, but the "
      "options ask for zero_optimization.stage=3: use the strategy 'deepspeed_zero3'"),
     (dict(reduce_bucket_size=1000), "reduce_bucket_size belong(s) in DeepSpeed's "
@@ -139,6 +140,32 @@ def test_bad_configs_fail_before_anything_runs_and_the_group_stays_usable(shared
     with pytest.raises(nbdist.RemoteError) as info:
         shared_group.run(train, "deepspeed_zero1", **options)
     assert text in str(info.value) and "on ranks 0, 1" in str(info.value)
+    assert all(r["error"] < 1e-5 for r in shared_group.run(train, "deepspeed_zero1", steps=1))
+
+
+def fp16_where_deepspeed_says(supported):
+    """train() with fp16 while DeepSpeed's cpu accelerator answers ``supported`` when asked about
+    fp16, as it does on a CPU with avx512_fp16 / AMX-FP16 (True) or without (False)."""
+    from deepspeed.accelerator import get_accelerator
+
+    strategies.deepspeed._import(torch.device("cpu"))  # as wrap() imports it: quiet, cpu
+    accelerator = get_accelerator()
+    accelerator.is_fp16_supported = lambda: supported  # this instance only, undone below
+    try:
+        assert bool(get_accelerator().is_fp16_supported()) is supported
+        return train("deepspeed_zero1", fp16={"enabled": True})
+    finally:
+        del accelerator.is_fp16_supported
+
+
+@pytest.mark.parametrize("supported", [True, False], ids=["cpu-with-fp16", "cpu-without-fp16"])
+def test_fp16_is_refused_on_every_cpu_whatever_deepspeed_says(shared_group, supported):
+    # DeepSpeed's fp16 mode scales the loss: the usual loss.backward() fails with it, on any CPU
+    with pytest.raises(nbdist.RemoteError) as info:
+        shared_group.run(fp16_where_deepspeed_says, supported)
+    assert "is refused on a CPU group, whatever fp16 support this CPU has: DeepSpeed's fp16 mode " \
+           "is made for GPUs" in str(info.value) and "on ranks 0, 1" in str(info.value)
+    assert "Use precision='bf16-mixed' instead" in str(info.value)
     assert all(r["error"] < 1e-5 for r in shared_group.run(train, "deepspeed_zero1", steps=1))
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import nbdist
+from nbdist.wire.segments import shm_prefix
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -210,7 +211,7 @@ def test_result_segments_are_reused_only_after_the_caller_released_them(shared_g
     import glob
 
     def segments():
-        return sorted(glob.glob(f"/dev/shm/nbdist-{shared_group.id}-r0-*"))
+        return sorted(glob.glob(shm_prefix(shared_group.id, "r0") + "*"))
 
     a = shared_group.exec("torch.full((100_000,), 1.0)", ranks=[0])[0]
     b = shared_group.exec("torch.full((100_000,), 2.0)", ranks=[0])[0]

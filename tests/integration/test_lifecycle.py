@@ -14,6 +14,7 @@ import pytest
 
 import nbdist
 from nbdist.wire import transport
+from nbdist.wire.segments import leftover_segments
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -107,7 +108,7 @@ def test_fifty_start_stop_cycles_leave_nothing_behind():
     assert len(psutil.Process().threads()) <= threads0
     for gid in ids:  # other test runs on this machine may have groups of their own
         assert glob.glob(os.path.join(tempfile.gettempdir(), f"nbdist-{gid}-*")) == []
-        assert glob.glob(f"/dev/shm/nbdist-{gid}-*") == []
+        assert leftover_segments(gid) == []
     listening = [c for c in psutil.Process().net_connections() if c.status == "LISTEN"]
     assert listening == []
 
@@ -268,14 +269,14 @@ def test_leftovers_of_a_killed_caller_are_swept_by_the_next_start():
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         gid = proc.stdout.readline().strip()
-        assert glob.glob(f"/dev/shm/nbdist-{gid}-*")
+        assert leftover_segments(gid)
         proc.kill()  # no cleanup runs in the caller
         proc.wait(30)
         assert glob.glob(os.path.join(tempfile.gettempdir(), f"nbdist-{gid}-*"))
         with nbdist.start(2):
             pass
         assert glob.glob(os.path.join(tempfile.gettempdir(), f"nbdist-{gid}-*")) == []
-        assert glob.glob(f"/dev/shm/nbdist-{gid}-*") == []
+        assert leftover_segments(gid) == []
     finally:
         proc.kill()
         proc.wait()

@@ -10,6 +10,8 @@ no ``/dev/shm/nbdist-shm-*`` segment is left behind; the suite's conftest checks
 child processes.
 """
 
+import functools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -187,7 +189,7 @@ def _collectives(rank, n, store):
     # many groups at once: each has its own segment; use them interleaved
     pair = dist.new_group([0, 1], backend=NAME)
     tail = dist.new_group(list(range(1, n)), backend=NAME)
-    big = dist.new_group(backend=shm.register())  # "nbdist_shm": the default 32 MiB slots
+    big = dist.new_group(backend=shm.register("nbdist_shm_12m", slot_bytes=12 << 20))  # large
     mine = [g for g in (world, pair, tail, big) if g is not dist.GroupMember.NON_GROUP_MEMBER]
     paths = [g._seg.path for g in mine]
     assert len(set(paths)) == len(paths)
@@ -197,11 +199,11 @@ def _collectives(rank, n, store):
             dist.all_reduce(v, group=g)
             ranks = dist.get_process_group_ranks(g)
             _same(v, torch.full((1000,), float(sum(r + i for r in ranks))), "many groups")
-    large = _inputs(rank, 5_000_000, torch.float32)  # 20 MB: two 16 MiB chunks
+    large = _inputs(rank, 5_000_000, torch.float32)  # 20 MB: in 4 or 6 MiB chunks
     ours, ref = large.clone(), large.clone()
     dist.all_reduce(ours, group=big)
     dist.all_reduce(ref, group=gloo)
-    _close(ours, ref, n == 2, "large all_reduce, default slots")
+    _close(ours, ref, n == 2, "large all_reduce, large slots")
     gloo_pair = dist.new_group([0, 1])  # every rank takes part in new_group
     if rank in (0, 1):
         _reductions(rank, 2, gloo_pair, pair)
@@ -282,6 +284,49 @@ def _failures(rank, n):
 def test_collectives_match_gloo(world_size):
     _run(_collectives, world_size, timeout=60)
 
+
+
+def _large_with_cores(rank, n, store, cores):
+    """Large collectives (20 MB, several chunks) on slots of 12 MiB, where the OS tells rank r
+    that it may run on ``cores[r]`` cores: the host's answer, faked in this spawned rank (it sets
+    how the backend chunks, spins and caps threads). Ranks pinned differently (taskset, numactl,
+    srun --cpu-bind) must still cut every tensor the same way."""
+    import os
+
+    os.sched_getaffinity = lambda pid: set(range(cores[rank]))
+    gloo = _init(rank, n, store, name="nbdist_shm_large", slot_bytes=12 << 20)
+    big = 5_000_000  # 20 MB of float32: past the 4 MiB cache chunks and the 6 MiB half slots
+    x = _inputs(rank, big, torch.float32)
+    ours, ref = x.clone(), x.clone()
+    dist.all_reduce(ours)
+    dist.all_reduce(ref, group=gloo)
+    _close(ours, ref, n == 2, "large all_reduce")
+    _identical_on_all_ranks(ours, gloo)
+    y = x.clone()
+    dist.broadcast(y, src=n - 1)
+    _same(y, _inputs(n - 1, big, torch.float32), "large broadcast")
+    ours, ref = torch.empty(n * big), torch.empty(n * big)
+    dist.all_gather_into_tensor(ours, x)
+    dist.all_gather_into_tensor(ref, x, group=gloo)
+    _same(ours, ref, "large all_gather_into_tensor")
+    inp = _inputs(rank, n * (big // n), torch.float32)
+    ours, ref = torch.empty(big // n), torch.empty(big // n)
+    dist.reduce_scatter_tensor(ours, inp)
+    dist.reduce_scatter_tensor(ref, inp, group=gloo)
+    _close(ours, ref, n == 2, "large reduce_scatter_tensor")
+    ours, ref = torch.empty_like(inp), torch.empty_like(inp)
+    dist.all_to_all_single(ours, inp)
+    dist.all_to_all_single(ref, inp, group=gloo)
+    _same(ours, ref, "large all_to_all_single")
+    dist.destroy_process_group()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("cores", [(64, 64), (1, 1), (1, 64), (64, 1, 64)],
+                         ids=["a-core-each", "fewer-cores-than-ranks", "pinned-differently",
+                              "pinned-differently-3-ranks"])
+def test_large_collectives_whatever_cores_each_rank_sees(cores):
+    _run(functools.partial(_large_with_cores, cores=cores), len(cores), timeout=90)
 
 
 @pytest.mark.timeout(120)

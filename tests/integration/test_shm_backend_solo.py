@@ -4,6 +4,7 @@ suites: test_shm_backend.py."""
 
 import json
 import os
+import shutil
 import sys
 from datetime import timedelta
 
@@ -18,6 +19,7 @@ from nbdist.backends.shm import segment  # noqa: E402
 from shm_harness import R, _same, no_segments_left  # noqa: E402,F401
 
 T = timedelta(seconds=5)
+Usage = type(shutil.disk_usage("."))  # (total, used, free)
 
 
 @pytest.fixture
@@ -136,6 +138,34 @@ def test_segment_problems_are_explained(monkeypatch):
         shm.create(dist.HashStore(), 0, 1, T, slot_bytes=1 << 50)
     monkeypatch.setattr(segment.platform, "machine", lambda: "aarch64")
     with pytest.raises(shm.ShmBackendError, match="refuses to run on 'aarch64'"):
+        shm.create(dist.HashStore(), 0, 1, T)
+
+
+def test_default_slots_fit_a_small_dev_shm():
+    mib, kib = 1 << 20, 1 << 10  # Docker's default /dev/shm is 64 MiB: a group takes <= half
+    assert segment.default_slot_bytes(2, 1 << 30) == 32 * mib
+    assert segment.default_slot_bytes(2, 64 * mib) == 16 * mib - 8 * kib
+    assert segment.default_slot_bytes(4, 64 * mib) == 8 * mib - 8 * kib
+    assert segment.default_slot_bytes(2, 1 * mib) == 1 * mib  # the floor: refused below
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("free_mib", [64, 4096])
+def test_a_default_group_takes_what_dev_shm_has_room_for(monkeypatch, free_mib):
+    free = free_mib << 20  # the host's answer, faked: /dev/shm's size differs between machines
+    monkeypatch.setattr(segment.shutil, "disk_usage", lambda path: Usage(free, 0, free))
+    pg = shm.create(dist.HashStore(), 0, 1, T)  # no slot_bytes: the default
+    try:
+        assert pg._seg.slot_bytes == segment.default_slot_bytes(1, free)
+        assert pg._seg.nbytes <= free // 2
+        t = torch.ones(3 << 20)  # 12 MiB: in several chunks
+        pg.allreduce([t]).wait()
+        _same(t, torch.ones(3 << 20))
+    finally:
+        pg.shutdown()
+    monkeypatch.setattr(segment.shutil, "disk_usage", lambda path: Usage(free, 0, 1 << 20))
+    with pytest.raises(shm.ShmBackendError, match=r"has 1 MiB free but a group of 1 ranks needs "
+                       r"1 MiB .*Free space there \(in a container: a larger --shm-size\)"):
         shm.create(dist.HashStore(), 0, 1, T)
 
 

@@ -37,7 +37,7 @@ def states(panel: Launcher):
 
 # ---- the launcher -----------------------------------------------------------------------------
 @pytest.mark.timeout(60)
-def test_launcher_lists_backends_and_refuses_unavailable_ones(panels, nbstore):
+def test_launcher_lists_backends_and_refuses_unavailable_ones(cpu_only_torch, panels, nbstore):
     ui = panels(launcher)
     dropdown = ui._controls["backend"]
     labels = dict((value, label) for label, value in dropdown.options)
@@ -66,13 +66,12 @@ def test_launcher_lists_backends_and_refuses_unavailable_ones(panels, nbstore):
 
 
 @pytest.mark.timeout(60)
-def test_launcher_validates_every_option(panels):
+def test_launcher_validates_every_option(cpu_only_torch, panels):
     ui = panels(launcher)
-    if not torch.cuda.is_available():
-        ui._controls["device"].value = "cuda"
-        assert "device='cuda' is not usable here: no CUDA device is visible" in ui.error
-        assert ui.device == "cpu"
-        assert "cuda ✗ unavailable" in [label for label, _ in ui._controls["device"].options]
+    ui._controls["device"].value = "cuda"
+    assert "device='cuda' is not usable here: no CUDA device is visible" in ui.error
+    assert ui.device == "cpu"
+    assert "cuda ✗ unavailable" in [label for label, _ in ui._controls["device"].options]
     ui._controls["timeout"].value = 0.0
     assert ui.error == "timeout must be a positive number of seconds, got 0.0"
     assert ui.timeout == 60.0

@@ -20,7 +20,7 @@ def fake_cuda(monkeypatch):
     return set_
 
 
-def test_auto_on_cpu_is_gloo_without_a_note():
+def test_auto_on_cpu_is_gloo_without_a_note(cpu_only_torch):
     choice = nbdist.resolve_backend("auto", device="cpu")
     assert (choice.backend, choice.device, choice.note) == ("gloo", "cpu", None)
 
@@ -61,24 +61,24 @@ def test_mapping_with_nccl_passes_through_when_usable(fake_cuda):
     assert nbdist.resolve_backend("cpu:gloo,cuda:nccl", "cuda").backend == "cpu:gloo,cuda:nccl"
 
 
-def test_unknown_backend_lists_the_available_ones():
+def test_unknown_backend_lists_the_available_ones(cpu_only_torch):
     with pytest.raises(nbdist.BackendError, match=r"unknown backend 'nope'.*Available here for 'cpu': gloo"):
         nbdist.resolve_backend("nope", "cpu")
 
 
-def test_ucc_and_xccl_refused_here():
+def test_ucc_and_xccl_refused_here(cpu_only_torch):
     with pytest.raises(nbdist.BackendError, match="UCC is not built"):
         nbdist.resolve_backend("ucc", "cpu")
     with pytest.raises(nbdist.BackendError, match="XCCL needs an XPU build"):
         nbdist.resolve_backend("xccl", "cpu")
 
 
-def test_env_var_auto_means_auto(monkeypatch):
+def test_env_var_auto_means_auto(monkeypatch, cpu_only_torch):
     monkeypatch.setenv("NBDIST_BACKEND", "auto")
     assert nbdist.resolve_backend().backend == "gloo"
 
 
-def test_available_backends_and_report():
+def test_available_backends_and_report(cpu_only_torch):
     assert nbdist.available_backends() == ["gloo", "nbdist_shm"]
     report = {name: (ok, why) for name, ok, why in backends.backend_report("cpu")}
     assert report["gloo"] == (True, "available") and report["nccl"][0] is False

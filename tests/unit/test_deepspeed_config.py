@@ -44,28 +44,57 @@ def test_conflicts_are_refused(options, text):
         deepspeed.build_config(1, torch.nn.Linear(2, 2), "fp32", options)
 
 
-class NoHalf:
-    """An accelerator as DeepSpeed's would answer on a machine without fp16 or bf16 (a stub:
-    this checks nbdist's own precision check, not DeepSpeed)."""
+class Accelerator:
+    """An accelerator answering as DeepSpeed's would on some machine (a stub: this checks nbdist's
+    own precision check, not DeepSpeed). DeepSpeed's cpu accelerator says fp16 is supported on a
+    CPU with avx512_fp16 / AMX-FP16 and not elsewhere, so both answers are tested here."""
+
+    def __init__(self, name="cpu", fp16=False, bf16=False):
+        self.name, self.fp16, self.bf16 = name, fp16, bf16
 
     def device_name(self):
-        return "cpu"
+        return self.name
 
     def is_fp16_supported(self):
-        return False
+        return self.fp16
 
     def is_bf16_supported(self):
-        return False
+        return self.bf16
 
 
-@pytest.mark.parametrize("key,text", [
-    ("bf16", "bf16 does not work here: DeepSpeed's cpu accelerator has no bf16 support. "
-     "Use precision='fp32' instead"),
-    ("fp16", "fp16 does not work here: DeepSpeed's cpu accelerator has no fp16 support. "
-     "Use precision='bf16-mixed' instead"),
+CPU_FP16 = ("fp16={'enabled': True} is refused on a CPU group, whatever fp16 support this CPU has: "
+            "DeepSpeed's fp16 mode is made for GPUs (its loss scaling needs engine.backward(loss), "
+            "not the usual loss.backward()). Use precision='bf16-mixed' instead (bf16 keeps fp32's "
+            "range: no loss scaling), or precision='fp32'")
+
+
+@pytest.mark.parametrize("key,accelerator,text", [
+    ("bf16", Accelerator(), "bf16 does not work here: DeepSpeed's cpu accelerator has no bf16 "
+     "support. Use precision='fp32' instead"),
+    ("fp16", Accelerator("cuda"), "fp16 does not work here: DeepSpeed's cuda accelerator has no "
+     "fp16 support. Use precision='bf16-mixed' instead"),
+    ("fp16", Accelerator("cpu", fp16=False), CPU_FP16),
+    ("fp16", Accelerator("cpu", fp16=True, bf16=True), CPU_FP16),  # a Xeon with avx512_fp16
 ])
-def test_a_precision_the_accelerator_lacks_is_refused(key, text):
+def test_a_precision_that_does_not_work_is_refused(key, accelerator, text):
     with pytest.raises(ValueError) as info:
-        deepspeed._check_precision({key: {"enabled": True}}, NoHalf())
+        deepspeed._check_precision({key: {"enabled": True}}, accelerator)
     assert str(info.value) == text
-    deepspeed._check_precision({key: {"enabled": False}}, NoHalf())  # fp32: nothing to refuse
+    deepspeed._check_precision({key: {"enabled": False}}, accelerator)  # fp32: nothing to refuse
+
+
+def test_fp16_where_the_gpu_accelerator_has_it_is_left_to_deepspeed():
+    deepspeed._check_precision({"fp16": {"enabled": True}}, Accelerator("cuda", fp16=True))
+
+
+@pytest.mark.parametrize("answers,words", [
+    (dict(accelerator="cpu", bf16=True, fp16=False), "bf16"),
+    (dict(accelerator="cpu", bf16=True, fp16=True), "bf16, fp16 -- fp16 is refused on a CPU group "
+     "whatever the CPU: use bf16"),
+    (dict(accelerator="cuda", bf16=True, fp16=True), "bf16, fp16"),
+    (dict(accelerator="cuda", bf16=False, fp16=False), "none"),
+])
+def test_the_doctor_says_which_half_precisions_work_whatever_deepspeed_reports(answers, words):
+    from nbdist.strategies.deepspeed_doctor import _precisions
+
+    assert _precisions(answers) == words

@@ -91,7 +91,8 @@ def test_every_package_says_what_it_owns_and_what_it_may_import():
         doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8")))
         assert doc, f"{init.relative_to(ROOT)} has no docstring"
     for part in ("wire", "backends", "runtime", "ui", "report"):
-        doc = ast.get_docstring(ast.parse((PACKAGE / part / "__init__.py").read_text()))
+        source = (PACKAGE / part / "__init__.py").read_text(encoding="utf-8")
+        doc = ast.get_docstring(ast.parse(source))
         assert "May import" in doc or "may import" in doc, part
 
 

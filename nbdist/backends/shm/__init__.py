@@ -31,8 +31,10 @@ then sleeping in a futex) until the ranks it reads from have bumped theirs, and 
 slots with torch ops: an all_reduce of a large tensor is a copy in, a reduction of this
 rank's 1/N share across all slots, a copy out -- memcpy speed, no sockets, no store traffic.
 Large tensors move in chunks (4 MiB when every rank has a core; 16 MiB, fewer waits, when
-ranks share cores), so memory stays bounded (``slot_bytes`` per rank and group, 32 MiB by
-default, only touched pages count). Every wait has a deadline
+ranks share cores: rank 0's count of the cores it may use decides, for every rank), so memory
+stays bounded (``slot_bytes`` per rank and group, 32 MiB by
+default -- less where ``/dev/shm`` is small, see :func:`create` -- and only touched pages
+count). Every wait has a deadline
 (the group timeout) and checks that the peers are alive, so a crashed rank gives its peers
 an error within ~0.1 s instead of a hang; the first phase of every call compares what the
 ranks called, so mismatched collectives fail with both calls named.
@@ -63,16 +65,18 @@ BACKEND_NAME = "nbdist_shm"
 """Default name under which :func:`register` registers the backend."""
 
 
-def create(store, rank, world_size, timeout, *, name=BACKEND_NAME, slot_bytes=DEFAULT_SLOT_BYTES):
+def create(store, rank, world_size, timeout, *, name=BACKEND_NAME, slot_bytes=None):
     """The creator torch calls as ``create(store, rank, world_size, timeout)``, once per group.
 
-    ``slot_bytes`` is the shared memory each rank gets in each group (default 32 MiB, only
-    touched pages count); tensors larger than half of it move in chunks.
+    ``slot_bytes`` is the shared memory each rank gets in each group (only touched pages
+    count); tensors larger than half of it move in chunks. By default 32 MiB, or less where
+    ``/dev/shm`` is small (Docker's default is 64 MiB): then the group takes at most half of
+    its free space, at least 1 MiB a rank.
     """
     return ShmProcessGroup(store, rank, world_size, timeout, name=name, slot_bytes=slot_bytes)
 
 
-def register(name=BACKEND_NAME, *, slot_bytes=DEFAULT_SLOT_BYTES):
+def register(name=BACKEND_NAME, *, slot_bytes=None):
     """Register the backend as ``name`` in this process (CPU tensors); idempotent. Returns ``name``.
 
     Registration is per process: call it in every process before ``init_process_group(name)``.

@@ -26,7 +26,6 @@ op, in place), so every rank gets bit-identical results.
 from __future__ import annotations
 
 import math
-import os
 
 __all__ = ["CACHE_CHUNK_BYTES", "SMALL_BYTES", "Algorithms"]
 
@@ -56,8 +55,8 @@ class Algorithms:
         self.rank, self.size = sync.rank, sync.size
         self.all = list(range(self.size))
         self.half = seg.half_bytes
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self.chunk = min(self.half, CACHE_CHUNK_BYTES) if self.size <= (cores or 1) else self.half
+        # rank 0's core count (seg.cores), the same on every rank: all cut tensors alike
+        self.chunk = min(self.half, CACHE_CHUNK_BYTES) if self.size <= seg.cores else self.half
         # One phase per chunk, every rank reducing the whole chunk, costs N reads per element
         # but half the waits: the better trade for two ranks. Two phases above that.
         self.one_phase = self.size <= 2

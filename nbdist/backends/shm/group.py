@@ -7,7 +7,6 @@ non-contiguous tensors by working on a contiguous copy.
 """
 from __future__ import annotations
 
-import os
 from datetime import timedelta
 
 import torch
@@ -17,8 +16,8 @@ from .algorithms import Algorithms
 from .calls import (FP_WORDS, REDUCTIONS, SUPPORTED_OPS, CallGuard, combiner, describe, done,
                     fingerprint)
 from .errors import ShmUnsupportedError
-from .segment import DEFAULT_SLOT_BYTES, open_segment
-from .sync import Sync
+from .segment import open_segment
+from .sync import Sync, usable_cores
 
 __all__ = ["ShmProcessGroup"]
 
@@ -34,7 +33,7 @@ class ShmProcessGroup(dist.ProcessGroup):
     """
 
     def __init__(self, store, rank, world_size, timeout, name="nbdist_shm",
-                 slot_bytes=DEFAULT_SLOT_BYTES):
+                 slot_bytes=None):
         """Join the group through its ``store`` (a PrefixStore private to the group)."""
         super().__init__(rank, world_size)
         self._rank, self._size = rank, world_size
@@ -46,8 +45,7 @@ class ShmProcessGroup(dist.ProcessGroup):
         self._alg = Algorithms(self._seg, self._sync, self._mismatch)
         self._closed = False
         self._combiners = {}
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        self._calling = CallGuard(self, max(1, (cores or 1) // world_size))
+        self._calling = CallGuard(self, max(1, usable_cores() // world_size))
 
     def _call(self, op):
         """Context for one call: see :class:`~nbdist.shm.calls.CallGuard`."""

@@ -35,16 +35,21 @@ from datetime import timedelta
 import torch
 
 from .errors import ShmBackendError
-from .sync import process_start_time
+from .sync import process_start_time, usable_cores
 
-__all__ = ["DEFAULT_SLOT_BYTES", "SHM_DIR", "Segment", "host_identity", "open_segment"]
+__all__ = ["DEFAULT_SLOT_BYTES", "MIN_DEFAULT_SLOT_BYTES", "SHM_DIR", "Segment",
+           "default_slot_bytes", "host_identity", "open_segment"]
 
 SHM_DIR = "/dev/shm"
 """Where segments are created (a tmpfs on Linux)."""
 
 DEFAULT_SLOT_BYTES = 32 << 20
-"""Shared memory per rank and group (two halves of 16 MiB: the chunk size of large ops).
+"""Shared memory per rank and group (two halves of 16 MiB: the chunk size of large ops), when
+``slot_bytes`` is not given and :data:`SHM_DIR` has room (see :func:`default_slot_bytes`).
 Pages are only allocated when touched, so a group that moves small tensors uses little."""
+
+MIN_DEFAULT_SLOT_BYTES = 1 << 20
+"""The smallest slot the default picks on a small :data:`SHM_DIR` (below, the group is refused)."""
 
 _ABORT_TEXT = 1024
 _MAGIC = int.from_bytes(b"NBDSHM01", "little")
@@ -72,12 +77,18 @@ def host_identity():
 
 
 class Segment:
-    """A mapped segment; accessors for the counters, identities, fingerprints and slots."""
+    """A mapped segment; accessors for the counters, identities, fingerprints and slots.
+
+    ``cores``: what :func:`~nbdist.backends.shm.sync.usable_cores` answered on rank 0 when it
+    created the segment. Every rank sizes its chunks by this one answer: ranks pinned to
+    different cores would otherwise cut a large tensor differently and read each other's slots
+    out of step."""
 
     def __init__(self, path, fd, world_size, slot_bytes, create):
         """Map ``fd`` (of ``path``); ``create``: size the file and write the header first."""
         self.path, self.world_size, self.slot_bytes = path, world_size, slot_bytes
         self.half_bytes = slot_bytes // 2
+        self.cores = usable_cores()  # rank 0's stays; the others take it from the rendezvous
         self.ctrl_bytes = _align(32 + 2 * 8 * _FP_WORDS + 2 * 8 * world_size + _ABORT_TEXT, 128)
         self.data_offset = _align(_HEADER + world_size * self.ctrl_bytes, 4096)
         self.nbytes = self.data_offset + world_size * slot_bytes
@@ -198,7 +209,20 @@ def _store_wait(store, keys, timeout, what):
                               "init_process_group/new_group)") from err
 
 
-def open_segment(store, rank, world_size, timeout, slot_bytes=DEFAULT_SLOT_BYTES):
+def default_slot_bytes(world_size, free):
+    """The slot size when none is given: :data:`DEFAULT_SLOT_BYTES`, or less where ``free``
+    bytes in :data:`SHM_DIR` are few (Docker's default /dev/shm is 64 MiB): a group's segment
+    then takes at most half of them, the rest being left to other groups and to nbdist's tensor
+    transfers; never under :data:`MIN_DEFAULT_SLOT_BYTES`."""
+    fits = (free // 2 - _overhead(world_size)) // world_size // 8192 * 8192
+    return max(MIN_DEFAULT_SLOT_BYTES, min(DEFAULT_SLOT_BYTES, fits))
+
+
+def _overhead(world_size):
+    return _align(_HEADER + world_size * 4096, 4096)
+
+
+def open_segment(store, rank, world_size, timeout, slot_bytes=None):
     """Run the rendezvous described in the module docstring; return this rank's Segment."""
     if platform.machine() not in _MACHINES:
         raise ShmBackendError(
@@ -228,6 +252,7 @@ def open_segment(store, rank, world_size, timeout, slot_bytes=DEFAULT_SLOT_BYTES
         seg.close()
         raise ShmBackendError(f"nbdist_shm: rank {rank} mapped {path} but its header is not the "
                               "one rank 0 wrote: the ranks do not share shared memory")
+    seg.cores = reply["cores"]
     seg.set_identity(rank, os.getpid(), process_start_time(os.getpid()))
     store.set(f"{_KEY}/attached/{rank}", "1")
     return seg
@@ -244,14 +269,16 @@ def _create(store, world_size, timeout, slot_bytes):
                    f"but they run on {where}. Use backend='gloo' across hosts.")
         store.set(f"{_KEY}/id", json.dumps({"error": message}))
         raise ShmBackendError(message)
-    slot_bytes = _align(max(int(slot_bytes), 8192, 256 * world_size), 8192)
-    need = _align(_HEADER + world_size * 4096, 4096) + world_size * slot_bytes
     free = shutil.disk_usage(SHM_DIR).free
+    if slot_bytes is None:
+        slot_bytes = default_slot_bytes(world_size, free)
+    slot_bytes = _align(max(int(slot_bytes), 8192, 256 * world_size), 8192)
+    need = _overhead(world_size) + world_size * slot_bytes
     if free < need:
         message = (f"nbdist_shm: {SHM_DIR} has {free / 2**20:.0f} MiB free but a group of "
                    f"{world_size} ranks needs {need / 2**20:.0f} MiB (slot_bytes="
-                   f"{slot_bytes}). Free space there or register the backend with smaller "
-                   "slot_bytes.")
+                   f"{slot_bytes}). Free space there (in a container: a larger --shm-size) or "
+                   "register the backend with smaller slot_bytes.")
         store.set(f"{_KEY}/id", json.dumps({"error": message}))
         raise ShmBackendError(message)
     name = f"nbdist-shm-{secrets.token_hex(8)}"
@@ -269,7 +296,7 @@ def _create(store, world_size, timeout, slot_bytes):
         seg.write_header(nonce)
         seg.set_identity(0, os.getpid(), process_start_time(os.getpid()))
         store.set(f"{_KEY}/id", json.dumps({"name": name, "slot_bytes": slot_bytes,
-                                            "nonce": nonce}))
+                                            "nonce": nonce, "cores": seg.cores}))
         attached = {r: f"{_KEY}/attached/{r}" for r in range(1, world_size)}
         if attached:
             _store_wait(store, attached, timeout, "the attachment")

@@ -32,7 +32,8 @@ import time
 
 from .errors import ShmBackendError
 
-__all__ = ["LIVENESS_S", "POLL_S", "SPIN_S", "Sync", "process_alive", "process_start_time"]
+__all__ = ["LIVENESS_S", "POLL_S", "SPIN_S", "Sync", "process_alive", "process_start_time",
+           "usable_cores"]
 
 POLL_S = 0.02
 """Longest single futex sleep: how quickly a waiter notices an abort flag or its deadline."""
@@ -50,6 +51,15 @@ _HALF = 1 << 31
 _SYS_FUTEX = 202  # x86-64; other machines are refused in segment.py
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): works across processes
 _INT_MAX = (1 << 31) - 1
+
+
+def usable_cores():
+    """The cores this process may run on: its CPU affinity where the OS has one (taskset,
+    numactl, srun --cpu-bind, a cgroup cpuset), else every core. The backend sizes its chunks
+    (from rank 0's answer, shared with the segment), spinning and thread cap by it."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
+
 
 
 class _Timespec(ctypes.Structure):
@@ -137,10 +147,9 @@ class Sync:
         self._addrs = [ctypes.addressof(c) for c in self._counters]
         self._all = list(range(size))
         self._others = [r for r in self._all if r != rank]
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
         # Spinning only pays when every rank has a core of its own; otherwise it steals the
-        # core from the rank being waited for.
-        self.spin_s = SPIN_S if size <= (cores or 1) else 0.0
+        # core from the rank being waited for. (This rank's own view: it only sets timing.)
+        self.spin_s = SPIN_S if size <= usable_cores() else 0.0
 
     # -- phases ----------------------------------------------------------------------------
     def arrive(self, p):
