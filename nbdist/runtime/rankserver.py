@@ -122,8 +122,12 @@ class _Worker:
         dist.set_debug_level_from_env()
         for blob in cfg["custom_backends"]:
             cloudpickle.loads(blob).register_in_torch()
-        if cfg["threads"]:
-            torch.set_num_threads(cfg["threads"])
+        # torch fixed its thread count when the forkserver imported it, before an OMP_NUM_THREADS
+        # given in env= (nbdist then picks none) was set: apply it now.
+        omp = os.environ.get("OMP_NUM_THREADS", "")
+        threads = cfg["threads"] or (int(omp) if omp.isdigit() and int(omp) > 0 else None)
+        if threads:
+            torch.set_num_threads(threads)
         if cfg["backend"] == "auto" or cfg["device"] == "auto":  # attached ranks decide here
             from ..backends import resolve_backend
 
