@@ -6,6 +6,7 @@
 #   TMPDIR, HOME  fresh directories whose paths hold spaces
 #   TZ, locale    Asia/Kathmandu (UTC+5:45), LC_ALL=C (Python coerces it to UTF-8)
 #   CPUS          when set, the CPUs it may run on (taskset), e.g. CPUS=0 for one core
+#   SIGINT        ignored, as for a job a shell without job control starts in the background
 # Example: bash scripts/test-elsewhere.sh tests/integration/test_shm_backend.py
 # Users: run as root, then as another user with `setpriv --reuid=65534 --regid=65534
 # --clear-groups` (add `--inh-caps=+dac_read_search --ambient-caps=+dac_read_search` when the
@@ -26,5 +27,6 @@ mkdir -p "$TMPDIR" "$HOME"
 chmod -R 1777 "$base"
 run=("$0" -m pytest -q "$@")
 if [ -n "${CPUS:-}" ]; then run=(taskset -c "$CPUS" "${run[@]}"); fi
+trap "" INT
 "${run[@]}"
 ' "$PYTHON" "$@"

@@ -3,6 +3,7 @@ locks taken out of the order nbdist.wire.locks declares."""
 import glob
 import multiprocessing.forkserver as mp_forkserver
 import os
+import signal
 import time
 
 import psutil
@@ -11,6 +12,12 @@ import pytest
 from nbdist.wire import locks
 
 locks.check(True)  # every lock nbdist makes from here on checks the order (nbdist.wire.locks)
+
+# The tests' Ctrl-C is a real SIGINT, as a kernel gets it. A pytest started in the background by a
+# shell without job control (`cmd &`, nohup, a CI step runner) inherits SIGINT *ignored*, and the
+# interrupt tests then wait for an interrupt that never comes: give SIGINT Python's usual handler.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _helper_pids():
