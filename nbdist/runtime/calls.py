@@ -72,7 +72,7 @@ class Call:
         self.started = time.time()
         if self.timeout is not None:
             self.deadline = time.monotonic() + self.timeout
-        sent = set()
+        sent, before = set(), {}
         try:
             for r in self.targets:
                 rank = rs[r]
@@ -82,12 +82,14 @@ class Call:
                     freed = rs.take_freed(r)
                     if freed:
                         rank.channel.send_bytes(transport.encode(("free", 0, freed)))
+                    before[r] = rank.channel.sent
                     rank.channel.send_bytes(self.msg)
                 except OSError:
                     pass  # the sentinel (or EOF) tells the rest
                 sent.add(r)
         except KeyboardInterrupt:
             self.outcome = INTERRUPTED
+            sent |= {r for r, n in before.items() if rs[r].channel.sent > n}  # its last byte went
             for r in self.pending - sent:  # its request had not started: it is not in the call
                 if not rs[r].channel.torn:
                     self.pending.discard(r)
@@ -202,7 +204,7 @@ def _stop_pending(call: Call, rs: RankSet, grace: float):
         rs.forget(r)
     call.dead |= torn
     for r in call.pending - torn:
-        rs.interrupt(r)  # the worker's watchdog delivers SIGINT to its main thread
+        rs.interrupt(r, call.seq)  # the worker's watchdog delivers SIGINT to its main thread
     deadline = time.monotonic() + grace
     try:
         while call.pending - call.dead and time.monotonic() < deadline:

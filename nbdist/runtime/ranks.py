@@ -212,10 +212,10 @@ class RankSet:
                 break
         return out
 
-    def interrupt(self, r: int) -> bool:
-        """SIGINT rank ``r``'s main thread through its lifeline."""
+    def interrupt(self, r: int, seq: int) -> bool:
+        """Interrupt request ``seq`` on rank ``r`` through its lifeline."""
         lifeline = self.relay.lifeline(r)
-        return lifeline is not None and lifeline.interrupt()
+        return lifeline is not None and lifeline.interrupt(seq)
 
     def kill(self, ranks: Iterable[int]) -> None:
         """SIGKILL these ranks (without waiting)."""

@@ -12,6 +12,7 @@ import ctypes
 import importlib
 import linecache
 import os
+import re
 import signal
 import socket
 import sys
@@ -31,8 +32,9 @@ from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
 from . import imports, ranklog, sealed
-from .worker_signals import SIGINT_MASK, SIGINT_SET, ignore_sigint, sigint_ignored, sigint_to_user
+from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
+_INTERRUPT = re.compile(rb"I(\d+);")
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
              "call init_process_group. To change the backend or world size, call "
@@ -45,6 +47,7 @@ class _Worker:
         self.rank = cfg["rank"]
         self.ns: Dict[str, Any] = {}
         self.cells = 0
+        self.interrupts = Interrupts(threading.main_thread().ident)
         self.pool = SegmentPool(segments.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
             if cfg["shm"] else None
 
@@ -74,15 +77,16 @@ class _Worker:
         threading.Thread(target=self._watchdog, name="nbdist-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
-        # The controller's end of the stderr stream carries one-byte commands: "I" interrupts the
-        # main thread (SIGINT, as the notebook's interrupt button would), "K" kills this process,
+        # The controller's end of the stderr stream carries commands: "I<seq>;" interrupts request
+        # seq in the main thread (SIGINT, as the notebook's interrupt button would; a request whose
+        # code has not started yet is interrupted as it starts), "K" kills this process,
         # "X" exits it with ABORT_EXIT_CODE (the group failed: the launcher must see a failure, not
         # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
         # never outlive it. Keepalive notices a controller host that vanished without a word.
-        main_id = threading.main_thread().ident
         transport.keepalive(self.lifeline)
         code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
                          "unreachable)")
+        held = b""  # plain streams: the start of an "I<seq>;" cut by recv()
         try:
             while True:
                 if self.lifeline_seal is not None:  # protected: one sealed command per frame
@@ -92,6 +96,7 @@ class _Worker:
                     data = self.lifeline.recv(64)
                 if not data:
                     break
+                data, held = held + data, b""
                 if b"K" in data:  # no SIGKILL on Windows: SIGTERM there is TerminateProcess
                     os.kill(os.getpid(), getattr(signal, "SIGKILL", signal.SIGTERM))
                 if b"X" in data:
@@ -99,7 +104,10 @@ class _Worker:
                                                   "failed (another rank died or was killed)")
                     break
                 if b"I" in data:
-                    signal.pthread_kill(main_id, signal.SIGINT)
+                    seqs = _INTERRUPT.findall(data)
+                    held = data[data.rindex(b"I"):] if not data.endswith(b";") else b""
+                    if seqs:
+                        self.interrupts.request(max(map(int, seqs)))
         except seal_module.IntegrityError as err:
             self.refuse(err)
         except (OSError, AttributeError, ValueError):  # no pthread_kill on Windows: still exit
@@ -243,10 +251,10 @@ class _Worker:
         quiet = False
         try:
             try:
-                sigint_to_user()
+                self.interrupts.begin(seq)
                 value = handler(payload)
             finally:
-                sigint_ignored()
+                self.interrupts.end()
                 quiet = True
         except BaseException as exc:  # noqa: BLE001 -- every failure goes back to the caller
             error = exc  # an interrupt that cut the finally short is the call's too
@@ -255,6 +263,7 @@ class _Worker:
         # handlers, so a KeyboardInterrupt it raises was received before: after it none can come.
         while not quiet:
             try:
+                self.interrupts.running = None
                 if SIGINT_MASK:
                     _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)
                 _signal.signal(_signal.SIGINT, ignore_sigint)

@@ -12,6 +12,9 @@ from __future__ import annotations
 
 import _signal
 import signal
+import threading
+import time
+from typing import Optional
 
 
 def ignore_sigint(signum, frame):
@@ -30,10 +33,68 @@ def sigint_ignored() -> None:
     _signal.signal(_signal.SIGINT, ignore_sigint)
 
 
-def sigint_to_user() -> None:
+def sigint_to_user(handler=signal.default_int_handler) -> None:
     """Before the user's code: interrupts that came while the rank was idle are dropped (they are
     delivered as SIGINT is unblocked, still to the ignoring handler), then SIGINT raises
-    KeyboardInterrupt."""
+    KeyboardInterrupt (through ``handler``)."""
     if SIGINT_MASK:
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, SIGINT_SET)
-    _signal.signal(_signal.SIGINT, signal.default_int_handler)
+    _signal.signal(_signal.SIGINT, handler)
+
+
+class Interrupts:
+    """The controller's interrupts of one rank's requests, each named by its sequence number.
+
+    The watchdog thread :meth:`asks <request>`; the main thread runs each request's code between
+    :meth:`begin` and :meth:`end`. Two races lose a plain SIGINT, and both are closed here:
+
+    * the interrupt travels on the lifeline, the request on the channel, so the interrupt may be
+      read before its request's code starts, when SIGINT is still ignored: :meth:`begin` then
+      raises KeyboardInterrupt itself;
+    * a SIGINT that lands after CPython's last check for signals and before a blocking call starts
+      (``time.sleep``, a socket read) is seen only when that call returns (it was not interrupted,
+      the signal came before it): SIGINT is sent again, :data:`RESEND_S` apart, until its handler
+      has run or the request's code is over.
+    """
+
+    #: pauses before each SIGINT sent again while the first is unanswered
+    RESEND_S = (0.02, 0.05, 0.1, 0.2, 0.4, 0.8)
+
+    def __init__(self, main_id: int):
+        self.main_id = main_id
+        self.latest = -1  #: the latest request interrupted (the watchdog writes it)
+        self.running: Optional[int] = None  #: the request whose code runs (the main thread's)
+        self.delivered = 0  #: SIGINTs whose handler ran (the main thread's)
+
+    def _raise(self, signum, frame):
+        self.delivered += 1
+        raise KeyboardInterrupt
+
+    def begin(self, seq: int) -> None:
+        """Main thread, before request ``seq``'s code: from here SIGINT raises KeyboardInterrupt,
+        and an interrupt that overtook the request raises it at once."""
+        self.running = seq
+        sigint_to_user(self._raise)
+        if self.latest >= seq:
+            raise KeyboardInterrupt
+
+    def end(self) -> None:
+        """Main thread, once the code is over: SIGINT blocked and ignored again."""
+        self.running = None
+        sigint_ignored()
+
+    def request(self, seq: int) -> None:
+        """Watchdog thread: interrupt request ``seq`` (raises on Windows: no ``pthread_kill``)."""
+        self.latest = max(self.latest, seq)
+        delivered = self.delivered
+        signal.pthread_kill(self.main_id, signal.SIGINT)
+        if self.running == seq:
+            threading.Thread(target=self._insist, args=(seq, delivered), daemon=True,
+                             name="nbdist-interrupt").start()
+
+    def _insist(self, seq: int, delivered: int) -> None:
+        for pause in self.RESEND_S:
+            time.sleep(pause)
+            if self.delivered != delivered or self.running != seq:
+                return
+            signal.pthread_kill(self.main_id, signal.SIGINT)

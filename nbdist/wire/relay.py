@@ -64,9 +64,10 @@ class Lifeline:
         #: host stopped answering (:data:`~nbdist.wire.transport.UNANSWERED`)
         self.why = ""
 
-    def interrupt(self) -> bool:
-        """Deliver SIGINT to the rank's main thread (as the notebook's interrupt button would)."""
-        return self._send(b"I")
+    def interrupt(self, seq: int) -> bool:
+        """Interrupt request ``seq`` on the rank: SIGINT to its main thread (as the notebook's
+        interrupt button would), or, if its code has not started yet, as soon as it starts."""
+        return self._send(b"I%d;" % seq)
 
     def kill(self) -> bool:
         """Make the rank SIGKILL itself (works for ranks on other hosts too)."""

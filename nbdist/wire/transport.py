@@ -235,6 +235,7 @@ class Channel:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = locks.make("channel")
         self.torn = False  # True while a message is half sent or half read (an interrupt hit)
+        self.sent = 0  #: messages sent whole (an interrupt after the last byte still counts it)
         #: why the connection was given up ("" while it is fine): a protected message failed its
         #: check, the peer's host stopped answering (:data:`UNANSWERED`), or a message stalled
         self.failure = ""
@@ -262,6 +263,7 @@ class Channel:
             else:
                 self.sock.sendall(_HEADER.pack(len(data)))
                 self.sock.sendall(data)
+            self.sent += 1
             self.torn = False
 
     def recv_bytes(self) -> bytes:

@@ -1,0 +1,83 @@
+"""A rank's interrupts (nbdist.runtime.worker_signals.Interrupts), in this process: the main
+thread plays the rank's main thread, a helper thread its watchdog. Real SIGINTs throughout."""
+import signal
+import threading
+import time
+
+import pytest
+
+from nbdist.runtime.worker_signals import Interrupts, sigint_ignored
+
+pytestmark = [pytest.mark.timeout(30),
+              pytest.mark.skipif(not hasattr(signal, "pthread_kill"), reason="POSIX signals")]
+
+
+@pytest.fixture
+def interrupts():
+    previous = signal.getsignal(signal.SIGINT)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    yield Interrupts(threading.main_thread().ident)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+    signal.signal(signal.SIGINT, previous)
+
+
+def watchdog(interrupts, seq, after=0.0):
+    """The watchdog reading "I<seq>;" ``after`` s from now."""
+    def ask():
+        time.sleep(after)
+        interrupts.request(seq)
+    thread = threading.Thread(target=ask)
+    thread.start()
+    return thread
+
+
+def test_an_interrupt_read_before_its_request_raises_as_the_code_starts(interrupts):
+    sigint_ignored()
+    watchdog(interrupts, 7).join()  # SIGINT is blocked and ignored: this one is dropped
+    with pytest.raises(KeyboardInterrupt):
+        interrupts.begin(7)
+    interrupts.end()
+    interrupts.begin(8)  # a later request is not interrupted
+    time.sleep(0.05)
+    interrupts.end()
+
+
+def test_an_interrupt_of_running_code_raises_there_once(interrupts):
+    sigint_ignored()
+    interrupts.begin(3)
+    thread = watchdog(interrupts, 3, after=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        time.sleep(10)
+    interrupts.end()
+    thread.join()
+    assert interrupts.delivered == 1
+    time.sleep(2 * sum(Interrupts.RESEND_S))  # nothing is sent again once it was answered
+    assert interrupts.delivered == 1
+
+
+def test_an_unanswered_interrupt_is_sent_again(interrupts, monkeypatch):
+    """The first SIGINT goes unanswered (here: held back by the mask for 0.3 s, as CPython holds
+    one that came just before a blocking call until the call returns); it is sent again until the
+    handler runs, and then no more."""
+    sigint_ignored()
+    interrupts.begin(4)
+    signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
+    sent = []
+    real = signal.pthread_kill
+
+    def counting(tid, sig):  # count, and send for real
+        sent.append(time.monotonic())
+        real(tid, sig)
+
+    monkeypatch.setattr(signal, "pthread_kill", counting)
+    watchdog(interrupts, 4).join()
+    time.sleep(0.3)
+    with pytest.raises(KeyboardInterrupt):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
+        time.sleep(10)
+    answered = len(sent)
+    interrupts.end()
+    time.sleep(2 * sum(Interrupts.RESEND_S))
+    assert interrupts.delivered == 1
+    assert answered >= 2, sent  # sent again while unanswered
+    assert len(sent) <= answered + 1, sent  # then no more (one may have been on its way)
