@@ -20,6 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import cloudpickle
 
 from ..backends import BackendChoice, resolve_backend
+from ..backends.shm.sync import usable_cores
 from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
 from .advice import option
@@ -271,14 +272,15 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
 
 
 def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:
-    """torch threads per rank: the cores shared among the ranks unless told (said once)."""
-    cores = os.cpu_count() or 1
+    """torch threads per rank: the cores this process may use (its CPU affinity: taskset, a
+    cgroup cpuset, srun --cpu-bind) shared among the ranks unless told (said once)."""
+    cores = usable_cores()
     if opts["threads"] is None and "OMP_NUM_THREADS" not in os.environ and \
             "OMP_NUM_THREADS" not in (opts["env"] or {}) and opts["world_size"] > 1:
         threads = max(1, cores // opts["world_size"])
         say_once(f"nbdist: torch uses {threads} thread{'s' if threads > 1 else ''} per rank "
-                 f"({cores} cores shared by {opts['world_size']} ranks); pass {option('threads')} "
-                 "to change.")
+                 f"({cores} core{'s' if cores > 1 else ''} shared by {opts['world_size']} ranks); "
+                 f"pass {option('threads')} to change.")
         return threads
     return opts["threads"]
 
@@ -289,5 +291,5 @@ def custom_backend_blobs(choice: BackendChoice) -> List[bytes]:
 
 
 def cpu_limit() -> int:
-    """The largest world size nbdist starts on this machine's CPUs without being told to."""
-    return max(8, 4 * (os.cpu_count() or 1))
+    """The largest world size nbdist starts on the CPUs it may use without being told to."""
+    return max(8, 4 * usable_cores())
