@@ -76,6 +76,7 @@ class Group(Dispatch):
         self._state = "new"
         self._stop_requested = False  # by stop() from another thread; see stop()
         self._launching = False  # the holder of the lock is starting ranks
+        self._stopping = False  # the holder of the lock is in stop()
         self._job: Optional[Job] = None  # the last background job (running or not)
         self._last_call: Optional[Call] = None
         self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
@@ -204,15 +205,15 @@ class Group(Dispatch):
         if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
             self._stop_requested = True  # the thread holding the group checks it at each step
             rs = self._rs
-            if rs is not None:
+            if self._stopping or (rs is None and not self._launching):
+                doing = "stopping ranks"  # a stop or restart that waits for unreachable ranks
+            elif rs is not None:
                 rs.kill(range(len(rs.ranks)))  # handles stay with the call's thread
                 doing = f"running '{getattr(self._last_call, 'what', 'a call')}', whose ranks " \
                         "were killed"
-            elif self._launching:  # an attached group's wait for torchrun's next generation
+            else:  # an attached group's wait for torchrun's next generation
                 self._launcher.close()  # ends as its launcher closes
                 doing = "starting ranks"
-            else:
-                doing = "stopping ranks"
             if not self._lock.acquire(timeout=STOP_WAIT):
                 raise GroupBusyError(
                     f"stop(timeout={timeout:g}) could not stop the group: another thread still "
@@ -220,12 +221,14 @@ class Group(Dispatch):
                     "stops the group as soon as it is done; call stop() again to wait for it.")
         try:  # to its end, a Ctrl-C meanwhile raised after it (the group is stopped by then)
             with interrupts_deferred():
+                self._stopping = True
                 try:
                     if self._state != "stopped":
                         self._shutdown()
                 finally:
                     self._state, self._stop_requested = "stopped", False
                     self._launcher.close()  # an attached group stops listening for restarts
+                    self._stopping = False
         finally:
             self._lock.release()
 

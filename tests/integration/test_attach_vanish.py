@@ -155,3 +155,80 @@ def test_stopping_a_group_whose_node_vanished_waits_once_not_per_rank(netns, tmp
         assert took < 11.0, f"stop() took {took:.1f} s for 3 unreachable ranks"
     finally:
         three.close()
+
+
+def _stop_from_another_thread(g):
+    """stop(timeout=0.2) from a second thread; returns (thread, box with its error)."""
+    box = {}
+
+    def stop():
+        try:
+            g.stop(timeout=0.2)
+        except BaseException as err:  # noqa: BLE001 -- checked by the test
+            box["err"] = err
+
+    t = threading.Thread(target=stop)
+    t.start()
+    return t, box
+
+
+def test_a_stop_that_waits_for_another_stop_says_so(netns, tmp_path):
+    """Risk 6, a third case: one thread's stop() waits for unreachable ranks (7 s at least); a
+    stop(timeout=0.2) from another thread cannot take the group 5 s later and says what holds it."""
+    two = Nodes(netns, tmp_path, here=0, there=2)
+    try:
+        g = two.group
+        assert g.run(lambda: 1) == [1, 1]
+        two.cut()
+        first = threading.Thread(target=g.stop)
+        first.start()
+        assert wait_for_state(lambda: g._stopping), "the first stop never began"
+        second, box = _stop_from_another_thread(g)
+        second.join(30)
+        err = box.get("err")
+        assert isinstance(err, nbdist.GroupBusyError), repr(err)
+        assert str(err) == ("stop(timeout=0.2) could not stop the group: another thread still "
+                            "holds it 5 s later (stopping ranks). The stop is recorded: that "
+                            "thread stops the group as soon as it is done; call stop() again to "
+                            "wait for it.")
+        first.join(30)
+        assert g.state == "stopped"
+    finally:
+        two.close()
+
+
+def test_a_stop_during_a_call_to_a_vanished_node_kills_the_call_s_ranks_and_says_so(nodes):
+    """Risk 6: the call's thread still holds the group 5 s after its ranks were killed (it waits
+    for the unreachable rank's end); stop(timeout=0.2) says so, and the call ends as stopped."""
+    g = nodes.group
+    box = {}
+
+    def call():
+        try:
+            g.exec("import time\nwhile True:\n    time.sleep(0.01)")
+        except BaseException as err:  # noqa: BLE001 -- checked below
+            box["err"] = err
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    assert wait_for_state(lambda: g.state == "busy")
+    nodes.cut()
+    second, stop_box = _stop_from_another_thread(g)
+    second.join(30)
+    err = stop_box.get("err")
+    assert isinstance(err, nbdist.GroupBusyError), repr(err)
+    assert "another thread still holds it 5 s later (running 'exec', whose ranks were killed)" \
+        in str(err), str(err)
+    caller.join(NOTICED_WITHIN + 30)
+    assert not caller.is_alive()
+    assert isinstance(box.get("err"), nbdist.GroupClosedError), repr(box.get("err"))
+    assert g.state == "stopped"
+
+
+def wait_for_state(check, within=30.0):
+    deadline = time.monotonic() + within
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.005)
+    return True
