@@ -11,6 +11,7 @@ import os
 import sys
 from typing import List, Optional
 
+from ..report.units import dashed_values
 from .sweep import DEFAULT_SIZES, _check_dtype, collectives, memcpy_bandwidth
 from .units import OPS, format_rate, parse_ops, parse_sizes
 
@@ -43,7 +44,7 @@ def cli(argv: Optional[List[str]] = None) -> int:
     from ..runtime.api import start
 
     parser = _parser()
-    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(dashed_values(parser, sys.argv[1:] if argv is None else argv))
     try:
         ops, sizes = parse_ops(args.ops), parse_sizes(args.sizes)
         dtype = _check_dtype(args.dtype)

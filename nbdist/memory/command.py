@@ -9,6 +9,7 @@ from typing import List
 import torch
 
 from .. import strategies as _strategies
+from ..report.units import dashed_values
 from ..runtime.api import start
 from .activations import estimate_options
 from .formulas import OPTIMIZERS, count_params, estimate, estimate_curve, model_spec
@@ -48,7 +49,7 @@ def cli(argv: List[str]) -> int:
     parallel.add_argument("--schedule", default="1f1b", choices=("1f1b", "gpipe"))
     parser.add_argument("--plot", metavar="PNG", help="save a plot to this file (matplotlib)")
     parser.add_argument("--json", metavar="FILE", help="write the records as JSON")
-    args = parser.parse_args(argv)
+    args = parser.parse_args(dashed_values(parser, argv))
     names = [n.strip() for n in args.strategies.split(",") if n.strip()]
     try:
         spec = model_spec(args.model)

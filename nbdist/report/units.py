@@ -5,6 +5,7 @@ bandwidth (MB, GB/s: as the ZeRO paper and nccl-tests write them).
 """
 from __future__ import annotations
 
+import argparse
 import re
 from typing import Iterable, List, Optional, Sequence, Union
 
@@ -130,3 +131,22 @@ def human_bytes(n: float) -> str:
     """``31406250000`` -> ``"31.4 GB"`` (decimal units, as the ZeRO paper)."""
     scale, unit = unit_for(n)
     return f"{n / scale:.1f} {unit}" if scale > 1 else f"{n:.0f} B"
+
+
+_DASHED_VALUE = re.compile(r"-\.?\d")  # -4K, -1e3, -.5: never one of nbdist's options
+
+
+def dashed_values(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
+    """``--sizes -4K`` -> ``--sizes=-4K``. argparse takes a word that starts with a minus and is
+    no plain negative number (``-4K``, ``-1e3``) for an option, so the option before it "expected
+    one argument" and its type never sees the value; given as the option's value, the message
+    names it (``argument --sizes: ... got '-4K'``). Used by the magics and the command line."""
+    takes_value = {flag for action in parser._actions if action.nargs in (None, "?")
+                   for flag in action.option_strings}
+    out: List[str] = []
+    for word in argv:
+        if out and out[-1] in takes_value and _DASHED_VALUE.match(word):
+            out[-1] = f"{out[-1]}={word}"
+        else:
+            out.append(word)
+    return out

@@ -296,6 +296,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["--sizes", "64M-4K"], "the size range '64M-4K' goes down"),
+    (["--sizes", "-4K"], "a size must be a positive number of bytes, got '-4K'"),  # not an option
     (["--ops", "allreduce"], "unknown op 'allreduce'; valid ops"),
     (["--dtype", "complex64"], "dtype must be a real floating-point or integer torch dtype"),
     (["--out", "r.txt"], "--out must name a .json or .csv file, got 'r.txt'"),

@@ -187,3 +187,10 @@ def test_plot_estimate_draws_every_strategy_on_log_axes():
     with pytest.raises(TypeError, match="build it with nbdist.memory.estimate_curve"):
         plot_estimate(1000)
     matplotlib.pyplot.close("all")
+
+
+def test_cli_names_a_value_that_starts_with_a_minus(capsys):
+    """argparse took '-1e3' for an option ("expected one argument"); the value is named now."""
+    with pytest.raises(SystemExit):
+        memory.cli(["--model", "1B", "--estimate", "--world-size", "-1e3"])
+    assert "argument --world-size/-n: invalid int value: '-1e3'" in capsys.readouterr().err

@@ -13,7 +13,7 @@ from IPython.core.magic import Magics
 from IPython.utils.process import arg_split
 from IPython.display import display
 
-from ...report.units import parse_sizes
+from ...report.units import dashed_values, parse_sizes
 from ...runtime.group import Group, current_group
 from ...runtime.jobs import STARTED
 from ...runtime.status import MIN_TIMEOUT, TOO_SHORT
@@ -196,28 +196,9 @@ class NbdistMagics(Magics):
     def parse(self, magic, line: str) -> argparse.Namespace:
         """Parse ``line`` for ``magic``; a mistake raises ``UsageError`` ending in the usage."""
         try:
-            return magic.parser.parse_args(_dashed_values(magic.parser, arg_split(line)))
+            return magic.parser.parse_args(dashed_values(magic.parser, arg_split(line)))
         except UsageError as err:
             raise UsageError(f"{err}\n{usage(magic)}") from None
-
-
-_DASHED_VALUE = re.compile(r"-\.?\d")  # -4K, -1e3, -.5: never one of nbdist's options
-
-
-def _dashed_values(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]:
-    """``--sizes -4K`` -> ``--sizes=-4K``. argparse takes a word that starts with a minus and is
-    no plain negative number (``-4K``, ``-1e3``) for an option, so the option before it "expected
-    one argument" and its type never sees the value; given as the option's value, the message
-    names it (``argument --sizes: ... got '-4K'``)."""
-    takes_value = {flag for action in parser._actions if action.nargs in (None, "?")
-                   for flag in action.option_strings}
-    out: List[str] = []
-    for word in argv:
-        if out and out[-1] in takes_value and _DASHED_VALUE.match(word):
-            out[-1] = f"{out[-1]}={word}"
-        else:
-            out.append(word)
-    return out
 
 
 class _OptionsError(Exception):
