@@ -51,8 +51,32 @@ def mp_context(start_method: Optional[str] = None):
     method = check_start_method(start_method)
     ctx = mp.get_context(method)
     if method == "forkserver":
+        _check_listener_path()
         ctx.set_forkserver_preload(["nbdist.runtime.preload"])  # the worker module, torch
     return ctx
+
+
+#: bytes a Unix socket's path may take, its final NUL included (``sockaddr_un.sun_path``)
+SUN_PATH = 104 if sys.platform == "darwin" else 108
+
+
+def _check_listener_path() -> None:
+    """The forkserver listens on a Unix socket in multiprocessing's temp dir (under TMPDIR): refuse
+    a TMPDIR so long that the socket's path cannot fit, saying so (the bind fails deep inside
+    multiprocessing with a bare "AF_UNIX path too long")."""
+    import tempfile
+    from multiprocessing import util
+
+    path = os.path.join(util.get_temp_dir(), "listener-abcdefgh")  # as multiprocessing names it
+    size = len(os.fsencode(path)) + 1
+    if size > SUN_PATH:
+        raise ValueError(
+            f"the forkserver that starts nbdist's workers cannot listen under this TMPDIR: its "
+            f"socket path would take {size} bytes ({path}), and a Unix socket's path may take "
+            f"{SUN_PATH}. Set TMPDIR to a shorter directory (such as /tmp) before Python starts "
+            f"(tempfile.gettempdir() is {tempfile.gettempdir()!r}), or start workers by spawn, "
+            f"which needs no socket: start(..., start_method='spawn'), or {ENV_VAR}=spawn in "
+            "the environment (the magics too).")
 
 
 def prewarm(background: bool = True) -> Optional[threading.Thread]:

@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 import nbdist
-from nbdist.runtime import attach, processes
+from nbdist.runtime import attach, forkserver, processes
 from nbdist.wire import segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -121,3 +121,22 @@ def test_the_orphan_probe_never_signals_a_process():
         child.kill()
         child.wait()
     assert not segments._alive(child.pid)
+
+
+def test_a_tmpdir_too_long_for_the_forkserver_s_socket_is_named_and_spawn_still_works(tmp_path):
+    """Was: ``OSError: AF_UNIX path too long`` from deep inside multiprocessing."""
+    long_dir = tmp_path / ("d" * 120)
+    long_dir.mkdir()
+    code = ("import nbdist\n"
+            "try:\n    nbdist.start(2)\nexcept ValueError as err:\n    print('ERR', err)\n"
+            "with nbdist.start(2, start_method='spawn') as g:\n    print('RAN', g.run(abs, -3))\n")
+    env = dict(os.environ, TMPDIR=str(long_dir))
+    env.pop("NBDIST_START_METHOD", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120).stdout
+    assert "ERR the forkserver that starts nbdist's workers cannot listen under this TMPDIR: " \
+           "its socket path would take " in out, out
+    assert f"a Unix socket's path may take {forkserver.SUN_PATH}. Set TMPDIR to a shorter " \
+           "directory" in out
+    assert "start(..., start_method='spawn'), or NBDIST_START_METHOD=spawn" in out
+    assert "RAN [3, 3]" in out
