@@ -26,9 +26,10 @@ SENTINELS_SELECTABLE = sys.platform != "win32"
 POLL_S = 0.1
 
 
-def watch_exits(sel: selectors.BaseSelector, ranks: Iterable["Rank"]) -> Dict[int, Any]:
-    """Register each rank's sentinel in ``sel`` as ``("dead", rank)``; return the processes that
-    must be polled instead (where sentinels are not selectable), by rank."""
+def watch_exits(sel: selectors.BaseSelector, ranks: Iterable[Any]) -> Dict[int, Process]:
+    """Register the sentinel of each rank's process (``ranks``: :class:`~.ranks.Rank` objects,
+    which import this module) in ``sel`` as ``("dead", rank)``; return the processes that must be
+    polled instead (where sentinels are not selectable), by rank."""
     polled = {}
     for r in ranks:
         if r.process.sentinel is None:
@@ -40,7 +41,7 @@ def watch_exits(sel: selectors.BaseSelector, ranks: Iterable["Rank"]) -> Dict[in
     return polled
 
 
-def select_exits(sel: selectors.BaseSelector, polled: Dict[int, Any],
+def select_exits(sel: selectors.BaseSelector, polled: Dict[int, Process],
                  timeout: Optional[float]) -> List[Any]:
     """``sel.select(timeout)`` as ``(data, fileobj)`` pairs, plus ``(("dead", r), None)`` for each
     polled process that has exited (the wait is then at most :data:`POLL_S`)."""

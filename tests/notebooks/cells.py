@@ -2,6 +2,8 @@
 on sys.path while they run)."""
 from __future__ import annotations
 
+import contextlib
+
 from IPython.utils.capture import capture_output
 
 
@@ -15,3 +17,13 @@ def run(shell, cell):
 def texts(captured):
     """The text/plain of every display() the cell made."""
     return [out.data.get("text/plain") for out in captured.outputs]
+
+
+@contextlib.contextmanager
+def autodist(shell, options=""):
+    """``%autodist OPTIONS`` for the block, turned off after it whatever happens."""
+    run(shell, f"%autodist {options}".rstrip())
+    try:
+        yield
+    finally:
+        run(shell, "%autodist")

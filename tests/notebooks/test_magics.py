@@ -17,7 +17,7 @@ import nbdist
 from nbdist.errors import GroupInterrupted, RemoteError
 from nbdist.ui import magics
 
-from cells import run, texts  # tests/notebooks, on sys.path
+from cells import autodist, run, texts  # tests/notebooks, on sys.path
 
 
 @pytest.fixture(scope="module", params=["forkserver", "spawn"])
@@ -286,11 +286,8 @@ def test_autodist_runs_every_cell_on_the_ranks_until_toggled_off(shell, dist_gro
 
 @pytest.mark.timeout(120)
 def test_autodist_options_apply_to_every_cell(shell, dist_group):
-    run(shell, "%autodist --ranks 1 --timeout 30 -q --all-output")
-    try:
+    with autodist(shell, "--ranks 1 --timeout 30 -q --all-output"):
         _, captured = run(shell, "print('from', rank)\nprint('from', rank)\nrank")
-    finally:
-        run(shell, "%autodist")
     assert captured.stdout.count("[rank 1] from 1") == 2 and "[rank 0]" not in captured.stdout
     assert captured.outputs == []
 

@@ -10,7 +10,7 @@ from IPython.core.error import UsageError
 import nbdist
 from nbdist.ui import magics
 
-from cells import run  # tests/notebooks, on sys.path
+from cells import autodist, run  # tests/notebooks, on sys.path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -51,11 +51,8 @@ def test_a_statement_that_does_not_compile_points_into_its_line(shell, dist_grou
 
 
 def test_under_autodist_the_line_numbers_are_the_cells_own(shell, dist_group):
-    run(shell, "%autodist")
-    try:
+    with autodist(shell):
         result, captured = run(shell, "first = 1\nsecond = (\n")
-    finally:
-        run(shell, "%autodist")
     assert isinstance(result.error_in_exec.__cause__, SyntaxError)
     assert re.search(r"Cell In\[\d+\], line 2\n\s+second = \(\n", shown(captured))
     _, captured = run(shell, "%%dist\nfirst = 1\nsecond = (\n")  # typed: the code from line 2
