@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import cloudpickle
 
 from ..backends import BackendChoice, resolve_backend
-from ..backends.shm.sync import usable_cores
+from ..backends.cores import usable_cores
 from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
 from .advice import option

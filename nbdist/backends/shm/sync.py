@@ -30,6 +30,7 @@ import ctypes
 import os
 import time
 
+from ..cores import usable_cores  # chunks, spinning, thread cap: rank 0's answer, shared
 from .errors import ShmBackendError
 
 __all__ = ["LIVENESS_S", "POLL_S", "SPIN_S", "Sync", "process_alive", "process_start_time",
@@ -51,14 +52,6 @@ _HALF = 1 << 31
 _SYS_FUTEX = 202  # x86-64; other machines are refused in segment.py
 _FUTEX_WAIT, _FUTEX_WAKE = 0, 1  # shared (not FUTEX_PRIVATE): works across processes
 _INT_MAX = (1 << 31) - 1
-
-
-def usable_cores():
-    """The cores this process may run on: its CPU affinity where the OS has one (taskset,
-    numactl, srun --cpu-bind, a cgroup cpuset), else every core. The backend sizes its chunks
-    (from rank 0's answer, shared with the segment), spinning and thread cap by it."""
-    affinity = getattr(os, "sched_getaffinity", None)
-    return len(affinity(0)) if affinity else (os.cpu_count() or 1)
 
 
 
