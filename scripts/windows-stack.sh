@@ -16,6 +16,8 @@ if [ ! -x /usr/lib/wine/wine64 ]; then
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends wine64 wine >/dev/null
 fi
 PIP="${PIP:-python3 -m pip}"
+NOTEBOOK="ipython ipykernel ipywidgets matplotlib pandas nbclient nbformat pyyaml packaging"
+LIGHTNING="pytorch-lightning==2.6.6 torchmetrics lightning-utilities"  # --no-deps: they need torch
 WIN="$PIP download -q --only-binary=:all: --platform win_amd64 --python-version 3.13 --implementation cp --abi cp313"
 
 if [ ! -x py/python.exe ]; then
@@ -34,6 +36,9 @@ if [ ! -x py/python.exe ]; then
   $WIN --no-deps -d wheels torch==2.13.0
   $WIN -d wheels numpy==2.1.3 cloudpickle psutil tqdm colorama pip filelock "typing-extensions>=4.10" \
     "setuptools>=77.0.3" "sympy>=1.13.3" "networkx>=2.5.1" jinja2 "fsspec>=0.8.5" pytest pytest-timeout
+  # The notebook layer (magics, widgets, plots) and a real kernel; pywin32 by name: jupyter_core
+  # needs it on Windows, and pip judges that marker for this host.
+  $WIN -d wheels $NOTEBOOK pywin32
   unzip -q -o wheels/pip-*.whl -d py/Lib/site-packages
   # Wine 8 lacks kernel32.CopyFile2, which shutil.copy2 uses on 3.12+: make shutil fall back.
   printf 'import _winapi\nif hasattr(_winapi, "CopyFile2"):\n    del _winapi.CopyFile2\n' \
@@ -54,9 +59,12 @@ if [ ! -d prefix ]; then
   /usr/lib/wine/wine64 wineboot --init </dev/null 2>&1 | cat >/dev/null || true
 fi
 WHEELS="Z:${ROOT//\//\\}\\wheels"
-if ! wpy -c "import torch" >/dev/null 2>&1; then
+if ! wpy -c "import torch, IPython, pytorch_lightning" >/dev/null 2>&1; then
+  ls wheels/ipykernel-* >/dev/null 2>&1 || $WIN -d wheels $NOTEBOOK pywin32
+  ls wheels/pytorch_lightning-* >/dev/null 2>&1 || $WIN --no-deps -d wheels $LIGHTNING
   wpy -m pip install -q --no-compile --no-index --find-links "$WHEELS" torch numpy==2.1.3 \
-    cloudpickle psutil tqdm colorama pytest pytest-timeout
+    cloudpickle psutil tqdm colorama pytest pytest-timeout $NOTEBOOK
+  wpy -m pip install -q --no-compile --no-index --no-deps --find-links "$WHEELS" $LIGHTNING
 fi
 # nbdist: this checkout's tracked files and its uncommitted changes (git archive would miss those).
 rm -rf src && mkdir src

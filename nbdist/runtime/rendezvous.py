@@ -8,6 +8,7 @@ owns the socket from then on and closes it when it is freed.
 """
 from __future__ import annotations
 
+import sys
 from datetime import timedelta
 from typing import Any
 
@@ -23,7 +24,8 @@ def host_store(host: str, world_size: int, timeout: float) -> Any:
     try:
         store = dist.TCPStore(host, sock.getsockname()[1], world_size, is_master=True,
                               wait_for_workers=False, timeout=timedelta(seconds=float(timeout)),
-                              master_listen_fd=sock.fileno())
+                              master_listen_fd=sock.fileno(),
+                              use_libuv=sys.platform != "win32")  # torch's Windows builds: no libuv
     except BaseException:
         sock.close()
         raise

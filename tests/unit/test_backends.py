@@ -1,5 +1,6 @@
 """Backend resolution (DESIGN.md's table). The machine has no GPU, so the CUDA rows are checked
 by faking what torch reports about the hardware; the resolution logic itself runs for real."""
+import platform
 import sys
 
 import pytest
@@ -78,10 +79,17 @@ def test_env_var_auto_means_auto(monkeypatch, cpu_only_torch):
     assert nbdist.resolve_backend().backend == "gloo"
 
 
+#: nbdist_shm runs on Linux x86-64 only (futexes, x86 memory ordering)
+SHM_HERE = sys.platform.startswith("linux") and platform.machine() in ("x86_64", "AMD64")
+
+
 def test_available_backends_and_report(cpu_only_torch):
-    assert nbdist.available_backends() == ["gloo", "nbdist_shm"]
+    assert nbdist.available_backends() == (["gloo", "nbdist_shm"] if SHM_HERE else ["gloo"])
     report = {name: (ok, why) for name, ok, why in backends.backend_report("cpu")}
     assert report["gloo"] == (True, "available") and report["nccl"][0] is False
+    if not SHM_HERE:  # Windows, macOS, ARM: refused, with the reason
+        assert report["nbdist_shm"] == (False, "nbdist_shm needs Linux on x86-64 (shared "
+                                               "memory, futexes, x86 memory ordering)")
 
 
 def test_world_size_on_cuda_is_limited_to_the_gpus(fake_cuda):
@@ -121,7 +129,8 @@ def test_import_nbdist_never_imports_the_optional_extras():
 
 
 def test_nbdist_shm_is_registered_by_default_and_refused_off_linux_x86(monkeypatch):
-    assert nbdist.resolve_backend("nbdist_shm", "cpu").backend == "nbdist_shm"
-    monkeypatch.setattr(backends.platform, "machine", lambda: "arm64")
+    if SHM_HERE:
+        assert nbdist.resolve_backend("nbdist_shm", "cpu").backend == "nbdist_shm"
+        monkeypatch.setattr(backends.platform, "machine", lambda: "arm64")
     with pytest.raises(nbdist.BackendError, match="nbdist_shm needs Linux on x86-64"):
         nbdist.resolve_backend("nbdist_shm", "cpu")

@@ -99,6 +99,12 @@ def _masks(status: str) -> dict:
                                       if line.startswith(("SigBlk", "SigIgn")))}
 
 
+NO_FORKSERVER = pytest.mark.skipif(
+    sys.platform == "win32", reason="Windows has no forkserver (and no SIGINT mask): workers start "
+    "by spawn there (docs/platforms.md)")
+
+
+@NO_FORKSERVER
 @pytest.mark.timeout(120)
 def test_prewarmed_forkserver_ignores_sigint_and_its_children_do_not_inherit_a_block(tmp_path):
     """prewarm() starts the forkserver with SIGINT blocked (Ctrl-C during its start-up is held
@@ -143,6 +149,7 @@ print(json.dumps({"helpers": helpers, "left": left, "again": again}))
 """
 
 
+@NO_FORKSERVER
 @pytest.mark.timeout(120)
 def test_close_helpers_ends_and_reaps_the_forkserver_and_tracker_and_groups_start_again():
     """What the kernel's shutdown hook relies on: after close_helpers() this process has no child

@@ -62,7 +62,7 @@ class _Timespec(ctypes.Structure):
 try:
     _syscall = ctypes.CDLL(None, use_errno=True).syscall  # CDLL: releases the GIL
     _syscall.restype = ctypes.c_long
-except (OSError, AttributeError):  # pragma: no cover - not Linux/glibc
+except (OSError, AttributeError, TypeError):  # not Linux/glibc (Windows: CDLL(None) is a TypeError)
     _syscall = None
 
 
