@@ -55,6 +55,10 @@ class Interrupts:
       (``time.sleep``, a socket read) is seen only when that call returns (it was not interrupted,
       the signal came before it): SIGINT is sent again, :data:`RESEND_S` apart, until its handler
       has run or the request's code is over.
+
+    So while a request's code runs, SIGINT's handler is this object's (it raises
+    KeyboardInterrupt, as Python's default handler does, and counts): not
+    ``signal.default_int_handler`` itself. Code that installs its own handler gets no resend.
     """
 
     #: pauses before each SIGINT sent again while the first is unanswered
@@ -95,6 +99,7 @@ class Interrupts:
     def _insist(self, seq: int, delivered: int) -> None:
         for pause in self.RESEND_S:
             time.sleep(pause)
-            if self.delivered != delivered or self.running != seq:
+            if self.delivered != delivered or self.running != seq or \
+                    signal.getsignal(signal.SIGINT) != self._raise:  # the user's own handler
                 return
             signal.pthread_kill(self.main_id, signal.SIGINT)

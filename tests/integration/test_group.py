@@ -3,6 +3,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -39,17 +40,25 @@ def test_notebook_functions_closures_and_classes_travel_by_value(shared_group):
 
 
 def test_rank_environment_and_sigint(shared_group):
+    def sigint_raises_keyboard_interrupt():
+        try:
+            signal.raise_signal(signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            return True
+        return False
+
     def env():
         keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR")
-        return ({k: os.environ.get(k) for k in keys},
-                signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+        return ({k: os.environ.get(k) for k in keys}, sigint_raises_keyboard_interrupt(),
                 bool(os.environ.get("MASTER_PORT")),
                 torch.distributed.is_initialized())
     out = shared_group.run(env)
-    for rank, (vars_, sigint_default, has_port, initialised) in enumerate(out):
+    for rank, (vars_, sigint_raises, has_port, initialised) in enumerate(out):
         assert vars_ == {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                          "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1"}
-        assert sigint_default and has_port and initialised
+        assert sigint_raises and has_port and initialised
+    assert shared_group.run(lambda: 1) == [1, 1]  # the SIGINT ended there
 
 
 def test_launcher_variables_are_removed(monkeypatch):

@@ -81,3 +81,16 @@ def test_an_unanswered_interrupt_is_sent_again(interrupts, monkeypatch):
     assert interrupts.delivered == 1
     assert answered >= 2, sent  # sent again while unanswered
     assert len(sent) <= answered + 1, sent  # then no more (one may have been on its way)
+
+
+def test_code_with_its_own_sigint_handler_gets_the_interrupt_once(interrupts):
+    """asyncio.run, for one, installs its own SIGINT handler: nbdist sends one SIGINT, never more
+    (a second one means "stop now" to such handlers)."""
+    sigint_ignored()
+    interrupts.begin(5)
+    seen = []
+    signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    watchdog(interrupts, 5).join()
+    time.sleep(2 * sum(Interrupts.RESEND_S))
+    interrupts.end()
+    assert seen == [signal.SIGINT]
