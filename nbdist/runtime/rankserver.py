@@ -92,7 +92,7 @@ class _Worker:
                         self.interrupts.request(max(map(int, seqs)))
         except seal_module.IntegrityError as err:
             self.refuse(err)
-        except (OSError, AttributeError, ValueError):  # no pthread_kill on Windows: still exit
+        except (OSError, ValueError):  # the lifeline failed: exit
             pass
         if getattr(self, "launcher_stderr", None) is not None:
             try:
