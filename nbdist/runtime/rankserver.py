@@ -321,8 +321,8 @@ def _flush_output() -> None:
     pump.drain_pumps()  # streams through pipes: sent before the reply (no-op otherwise)
 
 
-try:
-    _libc = ctypes.CDLL(None)
+try:  # C's stdio buffers, flushed before a reply; on Windows the shared C runtime's
+    _libc = ctypes.CDLL("ucrtbase" if sys.platform == "win32" else None)
     _libc.fflush.argtypes = [ctypes.c_void_p]
-except (OSError, AttributeError, TypeError):  # pragma: no cover -- Windows: CDLL(None) fails
+except (OSError, AttributeError, TypeError):  # pragma: no cover -- a platform without either
     _libc = None

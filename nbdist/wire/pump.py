@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from typing import Callable, Dict, List, Optional
 
 from .seal import Seal
@@ -113,17 +114,25 @@ class PipePump:
         """Wait until what was written to the fd before this call has been sent (any thread);
         False if that took longer than ``timeout`` seconds or the pump has ended. Writing the
         marker waits while the pipe is full, as the writes before it did."""
+        return self.wait(self.mark(), timeout)
+
+    def mark(self) -> int:
+        """Write a marker behind what was written so far; return its number for :meth:`wait`
+        (0: the pump has ended)."""
         with self._writing:  # markers reach the pipe in the order they are counted
             with self._cond:
                 if self._done:
-                    return False
+                    return 0
                 self._asked += 1
                 want = self._asked
             os.write(self._write_fd, self._mark)  # blocks while the pipe is full: never under _cond
-        with self._cond:
-            return self._cond.wait_for(lambda: self._seen >= want or self._done, timeout) \
-                and self._seen >= want
+        return want
 
+    def wait(self, want: int, timeout: float) -> bool:
+        """Wait up to ``timeout`` s until the pump has read marker ``want`` (True once it has)."""
+        with self._cond:
+            return want > 0 and self._cond.wait_for(
+                lambda: self._seen >= want or self._done, timeout) and self._seen >= want
 
     def close(self, timeout: float = 5.0) -> None:
         """Stop once what was written has been read (once the redirected fd is closed too): a
@@ -145,6 +154,9 @@ def sent_counts() -> Dict[str, int]:
 
 
 def drain_pumps(timeout: float = 5.0) -> None:
-    """Worker side: wait until every pump sent what was written so far (no-op without pumps)."""
-    for pump in PUMPS:
-        pump.drain(timeout)
+    """Worker side: wait until every pump sent what was written so far (no-op without pumps).
+    Every marker is written before any is waited for: the pumps forward them side by side."""
+    marks = [(pump, pump.mark()) for pump in PUMPS]
+    deadline = time.monotonic() + timeout
+    for pump, want in marks:
+        pump.wait(want, max(0.0, deadline - time.monotonic()))
