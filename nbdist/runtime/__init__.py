@@ -96,6 +96,13 @@ Threading model
     Leaf locks outside the order, under which nothing else is taken: the ``__main__`` swap, the
     launcher panel's refresh lock, and on the ranks the log batcher's and the stream pumps'.
 
+    On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
+    (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
+    (:mod:`.rankserver`; an unanswered interrupt is sent again from ``nbdist-interrupt``,
+    :mod:`.worker_signals`); where fds 1 and 2 are pipes, one *pump* per stream
+    (``nbdist-pump-stdout`` / ``-stderr``) forwards them to the caller (:mod:`nbdist.wire.pump`,
+    chosen in :mod:`.streams`).
+
     Who writes what: the group's ``_state``, ``_rs``, ``_inc``, ``_job``, ``_last_call`` -- the
     thread holding the group's lock (``_stop_requested`` also ``stop()`` from another thread,
     which only sets it); a :class:`~nbdist.runtime.ranks.Rank` -- its own methods, called by the

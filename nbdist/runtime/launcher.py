@@ -30,6 +30,7 @@ from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F
 from .processes import LocalProcess
 from .ranks import Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
+from .streams import stream_mode
 from .teardown import interrupts_deferred, run_all
 
 #: Run on every rank right after torch.distributed is initialised ("module:function" strings, so
@@ -186,6 +187,7 @@ class LocalLauncher(Launcher):
         env.update(opts["env"] or {})
         if opts["debug"]:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        stream_mode(env)  # a bad NBDIST_STREAMS is refused here, before any rank starts
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]), self.protect,

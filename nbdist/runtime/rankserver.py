@@ -27,11 +27,11 @@ import cloudpickle
 import torch
 import torch.distributed as dist
 
+from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
-from ..wire import segments, serialize, transport
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, ranklog, sealed
+from . import imports, ranklog, sealed, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
 _INTERRUPT = re.compile(rb"I(\d+);")
@@ -53,27 +53,9 @@ class _Worker:
 
     # ---- start-up -------------------------------------------------------------------------
     def connect_streams(self) -> None:
-        address = tuple(self.cfg["address"])
-        key = self.cfg["key"]
-        self.lifeline_seal = None
         if self.cfg["group_id"] == "remote" and not hasattr(self, "launcher_stderr"):
             self.launcher_stderr = os.dup(2)  # torchrun's/srun's log: the watchdog's last words
-        for fd, stream in ((1, "stdout"), (2, "stderr")):
-            sock, seal = transport.connect_session(address, key, {"rank": self.rank, "role": stream,
-                                                                  "pid": os.getpid()})
-            sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-            if seal is not None:  # protected: fd -> pipe -> a thread that seals -> socket
-                sealed.protect_fd(fd, sock, seal, self.refuse)
-            else:
-                os.dup2(sock.fileno(), fd)
-            if fd == 2:
-                self.lifeline, self.lifeline_seal = sock, seal  # one end for the watchdog
-            elif seal is None:
-                sock.close()
-        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                          closefd=False)
-        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                          closefd=False)
+        self.lifeline, self.lifeline_seal = streams.connect(self.cfg)  # the stderr socket
         threading.Thread(target=self._watchdog, name="nbdist-watchdog", daemon=True).start()
 
     def _watchdog(self) -> None:
@@ -110,7 +92,7 @@ class _Worker:
                         self.interrupts.request(max(map(int, seqs)))
         except seal_module.IntegrityError as err:
             self.refuse(err)
-        except (OSError, AttributeError, ValueError):  # no pthread_kill on Windows: still exit
+        except (OSError, ValueError):  # the lifeline failed: exit
             pass
         if getattr(self, "launcher_stderr", None) is not None:
             try:
@@ -240,7 +222,7 @@ class _Worker:
             finally:
                 ranklog.end()  # what the call logged goes before its reply
             _flush_output()
-            counts = seal_module.sent_counts()  # protected: the caller waits for these frames
+            counts = pump.sent_counts()  # protected: the caller waits for these frames
             if counts:
                 channel.send(("sync", seq, counts, []))
             channel.send_bytes(reply)
@@ -336,11 +318,11 @@ def _flush_output() -> None:
         pass
     if _libc is not None:
         _libc.fflush(None)
-    seal_module.drain_pumps()  # protected streams: sent before the reply (no-op otherwise)
+    pump.drain_pumps()  # streams through pipes: sent before the reply (no-op otherwise)
 
 
-try:
-    _libc = ctypes.CDLL(None)
+try:  # C's stdio buffers, flushed before a reply; on Windows the shared C runtime's
+    _libc = ctypes.CDLL("ucrtbase" if sys.platform == "win32" else None)
     _libc.fflush.argtypes = [ctypes.c_void_p]
-except (OSError, AttributeError, TypeError):  # pragma: no cover -- Windows: CDLL(None) fails
+except (OSError, AttributeError, TypeError):  # pragma: no cover -- a platform without either
     _libc = None

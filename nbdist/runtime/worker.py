@@ -6,8 +6,9 @@ A worker is a fresh interpreter (a forkserver child with torch preloaded, or a s
 1. blocks SIGINT outside user code (:mod:`.worker_signals`), rebuilds its environment from the
    caller's (launcher variables such as ``SLURM_*`` removed, ``RANK``/``LOCAL_RANK``/... set),
 2. connects its stdout and stderr -- the file descriptors themselves, so C++ output and the text of
-   an abort reach the caller too (in a protected group, through a pipe and a thread that signs:
-   :mod:`.sealed`) -- and its control channel, each authenticated with the group key,
+   an abort reach the caller too (:mod:`.streams`: the sockets themselves, or pipes and a thread
+   that forwards, signing in a protected group) -- and its control channel, each authenticated
+   with the group key,
 3. replaces ``sys.stdin`` with one that says there is none (what to do instead), registers
    custom backends, then calls ``init_process_group`` with an explicit timeout,
 4. serves requests (:mod:`.rankserver`) until told to stop; it then destroys the process group

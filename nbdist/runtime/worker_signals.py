@@ -7,10 +7,21 @@ burst from the notebook's interrupt button, one that lands as a call ends) can n
 rank or tear a message. Where it matters the C functions of ``_signal`` are called, not
 ``signal``'s Python wrappers: entering a Python function is a point where CPython runs the
 handlers of signals already received.
+
+Where there is no ``pthread_kill`` and no signal mask (Windows) the interrupt is
+``signal.raise_signal(SIGINT)`` on the watchdog thread: the C runtime runs CPython's C handler
+there, which marks SIGINT for the main thread's next check between bytecodes and, on Windows, sets
+the event that the main thread's ``time.sleep`` (and lock waits) also wait on, so a sleep ends at
+once. ``_thread.interrupt_main`` would only mark it (its documentation: it "does not emit the
+corresponding signal"): a sleep would run to its end. A blocking socket read is not interrupted
+on Windows either way. Without a mask, "ignored outside user code" is the handler's doing alone:
+the main thread runs the handler installed when it *checks*, and outside user code that is
+:func:`ignore_sigint`, so nbdist's own messages are never torn.
 """
 from __future__ import annotations
 
 import _signal
+import os
 import signal
 import threading
 import time
@@ -40,6 +51,23 @@ def sigint_to_user(handler=signal.default_int_handler) -> None:
     if SIGINT_MASK:
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, SIGINT_SET)
     _signal.signal(_signal.SIGINT, handler)
+
+
+_RAISING = threading.Lock()  # one raise_signal at a time: Windows' C runtime resets SIGINT's
+# handler to SIG_DFL while it runs it (CPython's handler puts itself back), and a second SIGINT
+# raised in between would end the process
+
+
+def sigint_to_main(main_id: int) -> None:
+    """SIGINT for the main thread (``main_id``), from another thread, on any platform."""
+    kill = getattr(signal, "pthread_kill", None)
+    if kill is not None:
+        kill(main_id, signal.SIGINT)
+    elif SIGINT_MASK:  # POSIX without pthread_kill: the main thread is the one not blocking it
+        os.kill(os.getpid(), signal.SIGINT)
+    else:  # Windows: CPython's C handler runs on this thread and wakes the main thread's waits
+        with _RAISING:
+            signal.raise_signal(signal.SIGINT)
 
 
 class Interrupts:
@@ -88,10 +116,10 @@ class Interrupts:
         sigint_ignored()
 
     def request(self, seq: int) -> None:
-        """Watchdog thread: interrupt request ``seq`` (raises on Windows: no ``pthread_kill``)."""
+        """Watchdog thread: interrupt request ``seq``."""
         self.latest = max(self.latest, seq)
         delivered = self.delivered
-        signal.pthread_kill(self.main_id, signal.SIGINT)
+        sigint_to_main(self.main_id)
         if self.running == seq:
             threading.Thread(target=self._insist, args=(seq, delivered), daemon=True,
                              name="nbdist-interrupt").start()
@@ -102,4 +130,4 @@ class Interrupts:
             if self.delivered != delivered or self.running != seq or \
                     signal.getsignal(signal.SIGINT) != self._raise:  # the user's own handler
                 return
-            signal.pthread_kill(self.main_id, signal.SIGINT)
+            sigint_to_main(self.main_id)

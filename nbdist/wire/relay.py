@@ -1,8 +1,10 @@
 """Relay of every rank's stdout and stderr to the caller, line by line, labelled by rank; and each
 rank's lifeline.
 
-Each worker's file descriptors 1 and 2 are sockets to the caller, so everything a rank writes --
-Python prints, C++ warnings, the text of an abort -- arrives here even if the process then dies.
+Each worker's file descriptors 1 and 2 are sockets to the caller -- or pipes that a thread of the
+worker forwards to them (:mod:`.pump`: on Windows, with ``NBDIST_STREAMS=pipe``, in a protected
+group) -- so everything a rank writes arrives here: Python prints, C++ warnings, the text of an
+abort (through sockets even if the process then dies at once).
 One background thread reads all of them; :meth:`OutputRelay.drain` lets the caller pull what has
 already arrived before it returns a call's results, so a cell's output always precedes its value.
 
@@ -12,9 +14,8 @@ in a collective), and its end of stream says the process is gone. The relay only
 only writes and tells liveness. :attr:`OutputRelay.on_close` hears, on the relay thread, of every
 lifeline that closed: an attached group uses it to end the other ranks when one is lost.
 
-In a protected group (:mod:`.seal`) a worker's fds 1 and 2 are pipes that a thread of the worker
-sends on in signed frames, the relay checks each frame before showing a byte of it, and each command
-goes in a signed frame too. A stream whose frame fails its check is dropped and the rank stopped.
+In a protected group (:mod:`.seal`) the worker's pump thread sends in signed frames, the relay
+checks each frame before showing a byte of it, and each command goes in a signed frame too. A stream whose frame fails its check is dropped and the rank stopped.
 """
 from __future__ import annotations
 

@@ -19,11 +19,9 @@ docs/multinode.md for an SSH tunnel when that matters).
 from __future__ import annotations
 
 import hmac
-import os
 import struct
-import threading
 from hashlib import sha256
-from typing import Dict, List, Optional
+from typing import List, Optional
 
 TAG = 32
 _SIZE = struct.Struct("!Q")
@@ -125,78 +123,3 @@ class FrameReader:
             self._size = None
             out.append(body)
         return out
-
-
-class StreamPump:
-    """Worker side: what the process writes to a pipe (its fd 1 or 2) goes out in sealed frames.
-
-    A thread reads the pipe and sends; :meth:`drain` sends what is left *from the calling thread*,
-    so a call's output goes out on the same thread as, and before, its reply (as the unsealed
-    path's writes do: the controller sees them in that order). If sending fails (the controller
-    dropped the stream) the process exits: it cannot report anything any more. POSIX only (a
-    non-blocking pipe in ``select``).
-    """
-
-    def __init__(self, read_fd: int, sock, seal: Seal, lock: threading.Lock, on_lost,
-                 name: str = ""):
-        self.fd, self.sock, self.seal, self.lock, self.on_lost = read_fd, sock, seal, lock, on_lost
-        self.name = name  #: "stdout" / "stderr"
-        self.sent = 0  #: frames sent so far (the caller waits for as many before a call ends)
-        os.set_blocking(read_fd, False)
-        self._busy = threading.Lock()
-        self._done = False
-        self.thread = threading.Thread(target=self._loop, name="nbdist-pump", daemon=True)
-        self.thread.start()
-
-    def _loop(self) -> None:
-        import select
-
-        while not self._done:
-            select.select([self.fd], [], [])
-            with self._busy:
-                self._pump()
-
-    def _pump(self) -> None:
-        """Under ``_busy``: send everything the pipe holds now."""
-        while not self._done:
-            try:
-                data = os.read(self.fd, 1 << 16)
-            except BlockingIOError:
-                return  # empty (the other thread took it, or nothing more was written)
-            if not data:
-                self._done = True
-                return
-            try:
-                with self.lock:
-                    head, tail = self.seal.wrap(data)
-                    self.sock.sendall(head + data + tail)
-                    self.sent += 1
-            except OSError:
-                self._done = True
-                self.on_lost()
-                return
-
-    def drain(self, timeout: float = 5.0) -> None:
-        """Send what was written so far, from this thread (``timeout``: how long to wait for the
-        pump thread to finish a send it started)."""
-        if self._busy.acquire(timeout=timeout):
-            try:
-                self._pump()
-            finally:
-                self._busy.release()
-
-
-PUMPS: List[StreamPump] = []
-
-
-def sent_counts() -> Dict[str, int]:
-    """Worker side: frames sent so far per protected stream (``{}`` unprotected). Sent to the
-    caller before a reply, so it shows all of a call's output before it ends the call, although
-    the streams and the reply travel on different connections."""
-    return {pump.name: pump.sent for pump in PUMPS}
-
-
-def drain_pumps(timeout: float = 5.0) -> None:
-    """Worker side: wait until the protected streams sent what was written (no-op unprotected)."""
-    for pump in PUMPS:
-        pump.drain(timeout)

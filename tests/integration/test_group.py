@@ -1,6 +1,7 @@
 """The core group, with real worker processes and real gloo groups (issue 2)."""
 import os
 import signal
+import stat
 import sys
 import threading
 import time
@@ -10,6 +11,7 @@ import torch
 
 import nbdist
 from nbdist.wire.segments import shm_prefix
+from stream_paths import STREAM_PATHS, each_stream_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -106,7 +108,8 @@ def test_large_result_comes_back_through_shared_memory(shared_group):
     assert isinstance(param, torch.nn.Parameter) and param.requires_grad
 
 
-def test_output_is_relayed_per_rank_with_c_level_writes():
+@each_stream_path
+def test_output_is_relayed_per_rank_with_c_level_writes(streams):
     lines = []
     lock = threading.Lock()
 
@@ -114,16 +117,18 @@ def test_output_is_relayed_per_rank_with_c_level_writes():
         with lock:
             lines.extend((rank, stream, line) for line in text.splitlines())
 
-    with nbdist.start(2, backend="gloo", output=sink) as g:
+    with nbdist.start(2, backend="gloo", output=sink, **streams) as g:
         g.exec("import os, sys\nfor i in range(3): print('line', i)\n"
                "print('to stderr', file=sys.stderr)\nos.write(2, b'raw fd write\\n')\n"
-               "print('no newline', end='')")
-        mine = [(r, s, t) for r, s, t in lines]
+               "os.write(1, b'raw stdout\\n')\nprint('no newline', end='')")
+        mine = [(r, s, t) for r, s, t in lines]  # all there when the call returns
         for rank in (0, 1):
             assert [t for r, s, t in mine if r == rank and s == "stdout"] == [
-                "line 0", "line 1", "line 2", "no newline"]
+                "line 0", "line 1", "line 2", "raw stdout", "no newline"]
             assert (rank, "stderr", "to stderr") in mine
             assert (rank, "stderr", "raw fd write") in mine
+        kinds = g.run(lambda: [stat.S_ISFIFO(os.fstat(fd).st_mode) for fd in (1, 2)])
+        assert kinds == [[streams != STREAM_PATHS["socket"]] * 2] * 2  # pipes, or the sockets
 
 
 def test_restart_changes_world_and_backend(group):
@@ -246,9 +251,11 @@ def test_notebook_functions_see_the_rank_namespace(shared_group):
     assert shared_group.run(shadow, 2) == [2, 2]  # a global shipped from the kernel wins
 
 
-def test_progress_bar_redraws_show_only_the_last_state():
+@each_stream_path
+def test_progress_bar_redraws_show_only_the_last_state(streams):
     lines = []
-    with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines())) as g:
+    with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines()),
+                      **streams) as g:
         g.exec("import sys\nsys.stderr.write('step 1/3\\rstep 2/3\\rstep 3/3\\n')", ranks=[0])
     assert lines == ["step 3/3"]
 

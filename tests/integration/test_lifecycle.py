@@ -15,6 +15,7 @@ import pytest
 import nbdist
 from nbdist.wire import transport
 from nbdist.wire.segments import leftover_segments
+from stream_paths import each_stream_path
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -224,13 +225,14 @@ def test_a_silent_peer_times_out_instead_of_hanging():
         server.close()
 
 
-def test_a_rank_writing_a_lot_to_stderr_does_not_block():
+@each_stream_path
+def test_a_rank_writing_a_lot_to_stderr_does_not_block(streams):
     counts = {0: 0, 1: 0}
 
     def sink(rank, stream, text):
         counts[rank] += len(text.splitlines())
 
-    with nbdist.start(2, output=sink) as g:
+    with nbdist.start(2, output=sink, **streams) as g:
         g.exec("import sys\nfor i in range(20000): print('x' * 50, i, file=sys.stderr)")
         assert counts == {0: 20000, 1: 20000}
 

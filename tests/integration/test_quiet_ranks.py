@@ -5,6 +5,7 @@ import re
 import pytest
 
 import nbdist
+from stream_paths import each_stream_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -73,9 +74,11 @@ def test_a_background_job_folds_its_output_and_keeps_all_of_it(shared_group, cap
     assert shared_group.last_output is job.call.output
 
 
-def test_a_custom_sink_gets_every_line():
+@each_stream_path
+def test_a_custom_sink_gets_every_line(streams):
     lines = []
-    with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines())) as g:
+    with nbdist.start(2, backend="gloo", output=lambda r, s, t: lines.extend(t.splitlines()),
+                      **streams) as g:
         assert g.dedupe_output
         g.exec("for _ in range(4): print('same')")
     assert lines == ["same"] * 8

@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from nbdist.runtime import worker_signals
 from nbdist.runtime.worker_signals import Interrupts, sigint_ignored
 
 pytestmark = [pytest.mark.timeout(30),
@@ -94,3 +95,50 @@ def test_code_with_its_own_sigint_handler_gets_the_interrupt_once(interrupts):
     time.sleep(2 * sum(Interrupts.RESEND_S))
     interrupts.end()
     assert seen == [signal.SIGINT]
+
+
+def spin(seconds):
+    """Pure-Python work (no blocking call) for up to ``seconds``; an interrupt ends it early."""
+    deadline = time.monotonic() + seconds
+    n = 0
+    while time.monotonic() < deadline:
+        n += 1
+    return n
+
+
+def test_without_pthread_kill_the_process_gets_the_sigint_and_the_main_thread_takes_it(
+        interrupts, monkeypatch):
+    """POSIX without ``pthread_kill``: SIGINT to the process; every other thread blocks it, so
+    the main thread's sleep is cut short as with ``pthread_kill``."""
+    monkeypatch.delattr(signal, "pthread_kill")
+    sigint_ignored()
+    interrupts.begin(5)
+    thread = watchdog(interrupts, 5, after=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        time.sleep(10)
+    interrupts.end()
+    thread.join()
+    assert interrupts.delivered == 1
+
+
+def test_without_pthread_kill_or_masks_the_handler_alone_decides(interrupts, monkeypatch):
+    """As on Windows (no ``pthread_kill``, no signal masks): the watchdog raises SIGINT on its own
+    thread; CPython's C handler marks it for the main thread, which runs the handler installed
+    when it looks -- KeyboardInterrupt in user code, nothing outside it (nbdist's messages)."""
+    monkeypatch.delattr(signal, "pthread_kill")
+    monkeypatch.setattr(worker_signals, "SIGINT_MASK", False)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])  # no masks, as on Windows
+    sigint_ignored()
+    watchdog(interrupts, 6).join()  # idle: the handler ignores it
+    spin(0.3)
+    interrupts.begin(7)
+    thread = watchdog(interrupts, 7, after=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        spin(10)
+        raise AssertionError("the interrupt did not come")
+    interrupts.end()
+    thread.join()
+    assert interrupts.delivered == 1
+    watchdog(interrupts, 8).join()  # after the code: ignored again
+    spin(0.3)
+    assert interrupts.delivered == 1

@@ -1,0 +1,73 @@
+"""A rank's stdout and stderr: how its file descriptors 1 and 2 reach the caller.
+
+The file descriptors themselves are redirected, not only ``sys.stdout``: C and C++ output (torch's
+warnings, ``os.write(1, ...)``, the text of an abort) must reach the notebook too. Two ways:
+
+``socket`` (the default on POSIX)
+    fd 1 and fd 2 *are* the stream sockets (``dup2``). A write is on its way to the caller when it
+    returns, so even the last words of a process that dies at once arrive.
+``pipe`` (the only way on Windows; elsewhere with ``NBDIST_STREAMS=pipe``)
+    fd 1 and fd 2 are pipes, and a thread per stream forwards what is written over the socket
+    (:class:`nbdist.wire.pump.PipePump`): a Windows socket is a handle, not a C-runtime file
+    descriptor, so ``dup2`` refuses it. What a process writes just before it dies abruptly
+    (``os._exit``, a crash) may not be forwarded: the pump dies with it.
+
+A protected group (:mod:`.sealed`) always uses pipes, each chunk sent in a sealed frame.
+The stderr socket is also the rank's lifeline: the watchdog (:mod:`.rankserver`) reads the
+caller's commands from it; only the pump (or the fd) writes to it.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any, Dict, Mapping, Optional, Tuple
+
+from ..wire import pump, transport
+from . import sealed
+
+ENV_VAR = "NBDIST_STREAMS"  #: chooses how a rank's fds 1 and 2 reach the caller
+WINDOWS = sys.platform == "win32"
+
+
+def stream_mode(environ: Optional[Mapping[str, str]] = None) -> str:
+    """``"socket"`` or ``"pipe"``: what ``NBDIST_STREAMS`` in ``environ`` (default: this
+    process's environment) asks for, else this platform's default; raises on anything else."""
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    usable = ("pipe",) if WINDOWS else ("socket", "pipe")
+    if not value:
+        return usable[0]
+    if value not in usable:
+        why = (" (a Windows socket is a handle, not a C-runtime file descriptor: it cannot "
+               "be a rank's stdout)") if WINDOWS and value == "socket" else ""
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(map(repr, usable))} on this "
+                         f"platform, got {value!r}{why}; unset it for the default "
+                         f"({usable[0]!r}).")
+    return value
+
+
+def connect(cfg: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
+    """Connect this process's fds 1 and 2 to the caller (``cfg``: the worker's config); return
+    the stderr socket and its seal (``None`` unprotected): the lifeline the watchdog reads."""
+    mode = stream_mode()
+    rank = cfg["rank"]
+    lifeline = None
+    for fd, stream in ((1, "stdout"), (2, "stderr")):
+        sock, seal = transport.connect_session(tuple(cfg["address"]), cfg["key"],
+                                               {"rank": rank, "role": stream, "pid": os.getpid()})
+        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+        if seal is not None:  # protected: fd -> pipe -> a thread that seals -> socket
+            sealed.keep_log_fd()
+            pump.PUMPS.append(pump.PipePump(fd, sock, seal, sealed.stream_lost, stream))
+        elif mode == "pipe":
+            pump.PUMPS.append(pump.PipePump(fd, sock, None, sealed.stream_lost, stream))
+        else:
+            os.dup2(sock.fileno(), fd)
+            if fd == 1:
+                sock.close()  # fd 1 holds the connection now
+        if fd == 2:
+            lifeline = (sock, seal)
+    sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                      closefd=False)
+    sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                      closefd=False)
+    return lifeline

@@ -1,0 +1,92 @@
+"""A rank's output through pipes (issue 26): Windows' only way, run on Linux with
+``NBDIST_STREAMS=pipe``, and a protected group's way. A Windows socket is not a C-runtime file
+descriptor (``dup2`` refuses it), and Windows' ``select`` takes sockets only: here the ranks'
+``select`` is made to refuse pipes as Windows' does, and output must still flow while a call runs;
+the lifeline beside the piped stderr must still carry interrupts. The output tests of
+test_group, test_lifecycle and test_quiet_ranks run under every path too (stream_paths.py).
+"""
+import threading
+import time
+
+import psutil
+import pytest
+
+import nbdist
+from stream_paths import STREAM_PATHS
+
+pytestmark = pytest.mark.timeout(120)
+
+PIPED = pytest.mark.parametrize("streams", [STREAM_PATHS["pipe"], STREAM_PATHS["protect"]],
+                                ids=["pipe", "protect"])
+
+#: On the ranks: select() refuses what is not a socket, as Windows' does ([WinError 10038]).
+SOCKETS_ONLY_SELECT = """
+import os, select, stat
+_select = select.select
+def _sockets_only(rlist, wlist, xlist, *timeout):
+    for f in (*rlist, *wlist, *xlist):
+        if not stat.S_ISSOCK(os.fstat(f if isinstance(f, int) else f.fileno()).st_mode):
+            raise OSError(10038, "An operation was attempted on something that is not a socket")
+    return _select(rlist, wlist, xlist, *timeout)
+select.select = _sockets_only
+del select.poll, select.epoll
+"""
+
+
+@PIPED
+def test_output_flows_while_a_call_runs_without_select_on_pipes(streams):
+    seen = threading.Event()
+    lines = []
+
+    def sink(rank, stream, text):
+        lines.extend(text.splitlines())
+        if "second" in text:
+            seen.set()
+
+    with nbdist.start(2, output=sink, **streams) as g:
+        g.exec(SOCKETS_ONLY_SELECT)
+        job = g.submit_exec("import time\nprint('first', flush=True)\ntime.sleep(0.3)\n"
+                            "print('second', flush=True)\ntime.sleep(60)", ranks=[0])
+        try:
+            assert seen.wait(15), f"the second line never came while the call ran: {lines}"
+            assert job.running()
+        finally:
+            job.interrupt()  # through the lifeline, beside the piped stderr
+        assert job.wait(15) and job.state == "interrupted"
+        assert g.run(lambda: 1) == [1, 1]
+    assert lines[:2] == ["first", "second"]
+
+
+@PIPED
+def test_interrupts_and_kills_travel_beside_a_piped_stderr(streams):
+    """The watchdog reads the stderr socket while the pump writes to it: Ctrl-C interrupts the
+    ranks, and a rank stuck in a collective is killed after the grace period."""
+    with nbdist.start(2, grace=2.0, **streams) as g:
+        pids = [r.pid for r in g.status().ranks]
+        job = g.submit_exec("import time; time.sleep(60)")
+        time.sleep(0.5)
+        job.interrupt()
+        assert job.wait(15) and job.state == "interrupted"
+        assert [r.pid for r in g.status().ranks] == pids  # interrupted, not killed
+        job = g.submit_exec("import time\nif rank == 1: time.sleep(60)\n"
+                            "t = torch.ones(1); dist.all_reduce(t)")
+        time.sleep(0.5)
+        job.interrupt()
+        assert job.wait(30)
+        with pytest.raises(nbdist.GroupInterrupted, match="rank 0 did not react"):
+            job.result()
+        g.restart()
+        assert g.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
+
+
+@pytest.mark.timeout(30)
+def test_an_unknown_stream_mode_is_refused_before_any_rank_starts(monkeypatch):
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
+    with pytest.raises(ValueError, match=r"NBDIST_STREAMS must be one of 'socket', 'pipe' on "
+                                         r"this platform, got 'pipes'; unset it for the default "
+                                         r"\('socket'\)"):
+        nbdist.start(2, env={"NBDIST_STREAMS": "pipes"})
+    monkeypatch.setenv("NBDIST_STREAMS", "fifo")
+    with pytest.raises(ValueError, match="got 'fifo'"):
+        nbdist.start(2)
+    assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
