@@ -335,8 +335,8 @@ class Group(Dispatch):
         return self._last_call.metrics if self._last_call is not None else Metrics()
 
     @property
-    def _prefix(self) -> str:
-        return segments.shm_prefix(self.id, "c")
+    def _prefix(self) -> Optional[str]:
+        return segments.shm_prefix(self.id, "c") if segments.SHARED_FILES else None
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:

@@ -255,7 +255,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
             cfg = {"rank": r, "world_size": world_size, "local_rank": r, "group_id": group_id,
                    "address": ("127.0.0.1", port), "key": key, "backend": choice.backend,
                    "device": choice.device, "timeout": timeout, "threads": threads,
-                   "custom_backends": custom, "store_path": store_path, "shm": True,
+                   "custom_backends": custom, "store_path": store_path, "shm": segments.SHARED_FILES,
                    "rank_hooks": RANK_HOOKS, "env": rank_env(env, r, world_size, port)}
             proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
             with main_hidden():

@@ -9,12 +9,17 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import sys
 import tempfile
 from typing import List
 
 import psutil
 
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+#: whether large tensors travel as shared files beside the message. Not on Windows: a file that a
+#: process has mapped cannot be deleted there, so a killed rank's segments would stay. Tensors then
+#: travel inside the message, as they do to and from ranks on other hosts (attached groups).
+SHARED_FILES = sys.platform != "win32"
 SHM_MIN_BYTES = 1 << 16
 
 
