@@ -32,6 +32,18 @@ def watchdog(interrupts, seq, after=0.0):
     return thread
 
 
+def sleep_until_interrupted(interrupts, seq):
+    """Request ``seq``'s code sleeps; the watchdog interrupts it 0.1 s in; it raised once."""
+    sigint_ignored()
+    interrupts.begin(seq)
+    thread = watchdog(interrupts, seq, after=0.1)
+    with pytest.raises(KeyboardInterrupt):
+        time.sleep(10)
+    interrupts.end()
+    thread.join()
+    assert interrupts.delivered == 1
+
+
 def test_an_interrupt_read_before_its_request_raises_as_the_code_starts(interrupts):
     sigint_ignored()
     watchdog(interrupts, 7).join()  # SIGINT is blocked and ignored: this one is dropped
@@ -44,14 +56,7 @@ def test_an_interrupt_read_before_its_request_raises_as_the_code_starts(interrup
 
 
 def test_an_interrupt_of_running_code_raises_there_once(interrupts):
-    sigint_ignored()
-    interrupts.begin(3)
-    thread = watchdog(interrupts, 3, after=0.1)
-    with pytest.raises(KeyboardInterrupt):
-        time.sleep(10)
-    interrupts.end()
-    thread.join()
-    assert interrupts.delivered == 1
+    sleep_until_interrupted(interrupts, 3)
     time.sleep(2 * sum(Interrupts.RESEND_S))  # nothing is sent again once it was answered
     assert interrupts.delivered == 1
 
@@ -111,14 +116,7 @@ def test_without_pthread_kill_the_process_gets_the_sigint_and_the_main_thread_ta
     """POSIX without ``pthread_kill``: SIGINT to the process; every other thread blocks it, so
     the main thread's sleep is cut short as with ``pthread_kill``."""
     monkeypatch.delattr(signal, "pthread_kill")
-    sigint_ignored()
-    interrupts.begin(5)
-    thread = watchdog(interrupts, 5, after=0.1)
-    with pytest.raises(KeyboardInterrupt):
-        time.sleep(10)
-    interrupts.end()
-    thread.join()
-    assert interrupts.delivered == 1
+    sleep_until_interrupted(interrupts, 5)
 
 
 def test_without_pthread_kill_or_masks_the_handler_alone_decides(interrupts, monkeypatch):
