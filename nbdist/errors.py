@@ -129,9 +129,11 @@ class RankDiedError(NbdistError):
         parts = []
         for rank, (code, tail) in self.deaths.items():
             parts.append(f"rank {rank}{_where(code)} {describe_exit(code)}")
-        msg = "; ".join(parts) + "."
-        if detail:
+        msg = "; ".join(parts)
+        if detail[:1].islower():  # "... exited with code 7 while starting (...)."
             msg += " " + detail
+        else:
+            msg += "." + (" " + detail if detail else "")
         for rank, (code, tail) in self.deaths.items():
             if tail:
                 msg += f"\n--- rank {rank}{_where(code)} stderr (last lines) ---\n{tail.rstrip()}"

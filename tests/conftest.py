@@ -21,12 +21,16 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
 
 
 def _helper_pids():
-    """multiprocessing's own long-lived helpers (forkserver, resource tracker): not leaks."""
+    """multiprocessing's own long-lived helpers (forkserver, resource tracker) and nbdist's warm
+    spares (kept for the next spawn start, ended at exit): not leaks."""
     import multiprocessing.resource_tracker as mp_tracker
+
+    from nbdist.runtime import spares
 
     server = getattr(mp_forkserver, "_forkserver", None)
     tracker = getattr(mp_tracker, "_resource_tracker", None)
-    return {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None)}
+    return {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None),
+            *spares.pids()}
 
 
 def _children():

@@ -8,6 +8,7 @@ Parts, one owner each:
 * Launchers -- where ranks come from: :class:`~nbdist.runtime.launcher.LocalLauncher` (fresh
   workers, :mod:`.forkserver`) and :class:`~nbdist.runtime.attach.AttachLauncher` (ranks started
   by torchrun/srun). Both hand back ready ranks through one accept/ready loop (:mod:`.ready`).
+  Where workers are spawned, a start takes warm spares first (:mod:`.spares`).
   An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`;
   each generation's rendezvous store listens on the group's one address (:mod:`.rendezvous`).
 * :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, the one owner of that rank's
@@ -63,8 +64,11 @@ Threading model
     on ranks torchrun restarts after the group stopped, so they exit; it starts only once the
     regenerate thread has stopped, and is then the listener's only user.
     *Prewarm thread* (``nbdist-prewarm``, once, at ``%load_ext nbdist`` or the first start): starts
-    the forkserver with torch imported; it shares only the ``__main__`` swap
-    (:func:`~nbdist.runtime.forkserver.main_hidden`, its own leaf lock) with a starting group.
+    the forkserver with torch imported, or, where workers are spawned, the warm spares
+    (:mod:`.spares`); it shares only the ``__main__`` swap
+    (:func:`~nbdist.runtime.forkserver.main_hidden`, its own leaf lock) and the spares' pool (one
+    top-up at a time; the list under a leaf lock) with a starting group, which takes spares and
+    tops them up again on the caller thread.
     *Widget poller* (``nbdist-launcher-status``, one per launcher panel) and *live view*
     (``nbdist-watch-NAME``, one per watched job), in :mod:`nbdist.ui`: they only read --
     ``status()``, ``job.metrics``, ``job.output`` -- and survive an error in one refresh.
@@ -94,6 +98,7 @@ Threading model
     ``sink`` (the sink thread's queue) -> ``metrics`` (a call's rows) -> ``lifeline`` and
     ``channel`` (one writer per socket) -> ``pool`` (segment hooks; finalizers take it).
     Leaf locks outside the order, under which nothing else is taken: the ``__main__`` swap, the
+    spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
     launcher panel's refresh lock, and on the ranks the log batcher's and the stream pumps'.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*

@@ -99,7 +99,7 @@ def prewarm(background: bool = True) -> Optional[threading.Thread]:
         from multiprocessing import forkserver, resource_tracker
 
         resource_tracker.ensure_running()  # first: it blocks and unblocks signals by itself
-        with _sigint_blocked(), main_hidden():
+        with sigint_held(), main_hidden():
             forkserver.ensure_running()
 
     if not background:
@@ -170,8 +170,12 @@ def _reap(pid: int, wait: float) -> None:
 
 
 @contextlib.contextmanager
-def _sigint_blocked():
-    """Hold SIGINT back in this thread (only), and so in the processes it starts meanwhile."""
+def sigint_held():
+    """Hold SIGINT back in this thread (only), and so in the processes it starts meanwhile (where
+    signals can be blocked: not on Windows, where this does nothing)."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
     old = signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGINT])
     try:
         yield

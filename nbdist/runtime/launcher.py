@@ -25,8 +25,8 @@ from ..wire import pool, segments, transport
 from ..wire.relay import OutputRelay
 from .advice import option
 from .current import say_once
-from .forkserver import (check_start_method, main_hidden, mp_context,  # noqa: F401
-                         prewarm)  # prewarm: documented here
+from . import forkserver, spares
+from .forkserver import check_start_method, main_hidden, mp_context
 from .processes import LocalProcess
 from .ranks import Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
@@ -195,6 +195,21 @@ class LocalLauncher(Launcher):
         return ranks, None
 
 
+def prewarm(background: bool = True):
+    """Get the next group's workers ready ahead of time, as ``%load_ext nbdist`` does: start the
+    forkserver (torch imported, :func:`nbdist.runtime.forkserver.prewarm`) where workers are forked
+    from it, or spawn warm spares (:mod:`nbdist.runtime.spares`) where they are spawned. Returns
+    the background thread (``None`` with ``background=False``, or when there is nothing to warm:
+    a bad ``NBDIST_START_METHOD``, which the group's start reports)."""
+    try:
+        method = check_start_method(None)
+    except ValueError:
+        return None
+    if method == "forkserver":
+        return forkserver.prewarm(background)
+    return spares.warm(background)
+
+
 def restart_refusal(group) -> Optional[str]:
     """Why ``group.restart()`` cannot work (an attached group), or ``None`` where it can."""
     return getattr(getattr(group, "_launcher", None), "restart_refusal", None)
@@ -248,6 +263,10 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     from .worker import main as worker_main  # imported here: `python -m nbdist.worker` stays clean
 
     ctx = mp_context(start_method)
+    spawned = ctx.get_start_method() == "spawn"
+    if spawned:
+        spares.target()  # a bad NBDIST_SPARES is refused here, before any rank starts
+    warm = spares.take(world_size) if spawned else []
     custom = custom_backend_blobs(choice)
     ranks: Dict[int, Rank] = {}
     try:
@@ -257,20 +276,29 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
                    "device": choice.device, "timeout": timeout, "threads": threads,
                    "custom_backends": custom, "store_path": store_path, "shm": segments.SHARED_FILES,
                    "rank_hooks": RANK_HOOKS, "env": rank_env(env, r, world_size, port)}
-            proc = ctx.Process(target=worker_main, args=(cfg,), name=f"nbdist-{group_id}-rank{r}")
-            with main_hidden():
-                proc.start()
+            name = f"nbdist-{group_id}-rank{r}"
+            proc = warm.pop(0).hand(cfg, name) if warm else None
+            if proc is None:  # no spare (left): a fresh process imports torch itself
+                proc = ctx.Process(target=worker_main, args=(cfg,), name=name)
+                with main_hidden():
+                    proc.start()
             ranks[r] = Rank(r, LocalProcess(proc))
         admission = Admission()
         admission.protect = protect
-        return accept_until_ready(listener, key, world_size, ranks, relay, init_timeout, admission)
+        ready = accept_until_ready(listener, key, world_size, ranks, relay, init_timeout,
+                                   admission)
     except BaseException:
+        for spare in warm:  # not handed out (an error midway)
+            spare.discard()
         kill_all(ranks.values())
         for r in ranks:
             relay.wait_closed(r, 0.5)
         raise
     finally:
         listener.close()
+    if spawned:
+        spares.top_up()  # for the next start or restart: they import while this group works
+    return ready
 
 
 def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:

@@ -201,7 +201,8 @@ def test_rank_dying_during_start_is_named(start_method):
             nbdist.start(2, backend="crasher", timeout=5, init_timeout=60,
                          start_method=start_method)
         assert "exited with code 7" in str(info.value) and "creator failed badly" in str(info.value)
-        assert "while starting" in str(info.value)
+        assert "exited with code 7 while starting (before torch.distributed was initialised)." \
+            in str(info.value)  # one sentence (no stray full stop before "while")
     finally:
         nbdist.backends.unregister_backend("crasher")
 

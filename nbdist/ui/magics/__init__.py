@@ -37,6 +37,7 @@ import sys
 
 from ...runtime.api import stop_all
 from ...runtime.current import say_once
+from ...runtime import spares
 from ...runtime.forkserver import close_helpers
 from ...runtime.group import current_group, use_group
 from . import base
@@ -51,9 +52,10 @@ __all__ = ["DistMagics", "NbdistMagics", "current_group", "load_ipython_extensio
 def load_ipython_extension(shell) -> None:
     """Register the magics of every registered class; loading again changes nothing.
 
-    Also starts nbdist's forkserver in the background, so the first ``%dist_start`` is quick.
+    Also gets workers ready in the background (the forkserver, or warm spares where workers are
+    spawned: :func:`nbdist.runtime.launcher.prewarm`), so the first ``%dist_start`` is quick.
     """
-    from ...runtime.forkserver import prewarm
+    from ...runtime.launcher import prewarm
 
     prewarm()
     kernel = getattr(shell, "kernel", None)  # ipykernel's; None in a terminal IPython
@@ -75,6 +77,7 @@ def _stopping_first(do_shutdown):
         try:
             stop_all()
             close_helpers()
+            spares.close()
         except Exception as err:  # noqa: BLE001 -- the kernel must still shut down
             print(f"nbdist: stopping the groups before the kernel's shutdown failed: {err!r}",
                   file=sys.__stderr__)
