@@ -19,6 +19,7 @@ import torch
 
 import nbdist
 from nbdist import bench, memory
+from nbdist.runtime import spares
 
 pytestmark = pytest.mark.timeout(240)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this file
@@ -88,12 +89,18 @@ def test_memory_measure_with_ddp_zero1_fsdp_and_fsdp2(g):
 
 
 @pytest.mark.allow_leaks  # the restarted ranks are the module group's: stopped after the module
-def test_a_rank_death_is_reported_and_restart_brings_the_group_back(g):
+def test_a_rank_death_is_reported_and_restart_takes_the_warm_spares(g):
     with pytest.raises(nbdist.RankDiedError, match="rank 1 exited with code 3"):
         g.exec("import os, time\nif rank == 1: os._exit(3)\ntime.sleep(30)")
     assert g.state in ("broken", "stopped")
+    # the start kept warm spares (torch imported): the restart's ranks are those processes
+    assert spares.ready(timeout=180) >= 2
+    kept = set(spares.pids())
     g.restart()
     assert g.exec("rank") == [0, 1]
+    assert set(g.run(os.getpid)) <= kept
+    g.exec("import torch.distributed as dist\nt = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)")
+    assert [t.tolist() for t in g.exec("t")] == [[3.0, 3.0]] * 2
 
 
 def test_doctor_says_what_works_and_refuses_nbdist_shm_off_linux():
