@@ -133,22 +133,43 @@ def _is_deepspeed(strategy) -> bool:
     return any(c.__name__ == "DeepSpeedStrategy" for c in type(strategy).__mro__)
 
 
-def _reform(backend: str, timeout: float) -> None:
-    """Replace the default process group by one with ``backend`` (same ranks, same store)."""
+def _rendezvous() -> tuple:
+    """The default group's own store (under its prefixes), rank and world size: what each re-form
+    uses, taken before the first (a re-form that failed leaves no default group to ask)."""
     dist = _dist()
     from torch.distributed import distributed_c10d as c10d
 
     store = c10d._get_default_store()
     while isinstance(store, dist.PrefixStore):
         store = store.underlying_store
-    rank, size = dist.get_rank(), dist.get_world_size()
+    return store, dist.get_rank(), dist.get_world_size()
+
+
+def _reform(backend: str, timeout: float, where: tuple, wait: Optional[float] = None) -> None:
+    """Replace the default process group (if any) by one with ``backend`` over ``where``
+    (:func:`_rendezvous`), waiting up to ``wait`` s (default ``timeout``) for every rank to join;
+    collectives then time out after ``timeout``."""
+    dist = _dist()
+    from torch.distributed import distributed_c10d as c10d
+
+    store, rank, size = where
     # Every rank re-forms the same number of times, so this counter gives all a fresh, equal prefix
     # without a collective (which would not work on a group a failed fit left broken).
     generation = (store.add("nbdist-lightning/reforms", 1) - 1) // size
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
     store = dist.PrefixStore(f"nbdist-lightning/{generation}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
-                            timeout=timedelta(seconds=timeout))
+                            timeout=timedelta(seconds=wait or timeout))
+    if wait and wait != timeout:
+        c10d._set_pg_timeout(timedelta(seconds=timeout))
+
+
+def _home(spec, where: tuple) -> None:
+    """Back to the group's backend after a fit. A rank that failed early (its fit backend refused
+    to start, or its training raised) waits here for the others, which give up on the fit's
+    process group within its timeout: hence the longer wait to join."""
+    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + 10)
 
 
 _MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy
@@ -214,7 +235,12 @@ def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
     if switch:
         for backend in spec["custom"]:
             backend.register_in_torch()
-        _reform(spec["backend"], spec["timeout"])
+        where = _rendezvous()
+        try:
+            _reform(spec["backend"], spec["timeout"], where)
+        except BaseException:
+            _home(spec, where)  # every rank comes here: the group keeps a process group
+            raise
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         module = make_module()
@@ -253,4 +279,4 @@ def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
                          str(dist.get_backend()), state)
     finally:
         if switch:
-            _reform(spec["home"], spec["timeout"])
+            _home(spec, where)

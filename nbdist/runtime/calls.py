@@ -286,6 +286,7 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
     results: List[Any] = []
     failures: Dict[int, RemoteFailure] = {}
     dead_group = False  # a rank's process group failed: no collective can work any more
+    gone: List[int] = []  # failed ranks left without a default process group
     todo = sorted(call.replies)
     claimed: List[str] = []  # the pooled segments unpickled so far of the reply being read
     try:
@@ -294,6 +295,8 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
             status, body, paths = call.replies[r]
             if status != "ok":
                 dead_group = dead_group or bool(body.get("pg_failed"))
+                if body.get("pg_gone"):
+                    gone.append(r)
                 failures[r] = failure_from(body)
                 rs[r].failed(f"{failures[r].type_name}: {failures[r].message}")
                 results.append(None)
@@ -324,8 +327,18 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
         advice = _dead_group_advice(call, rs, world_size, auto_restart)
         return Verdict(error=RemoteError(failures, results, world_size, advice), broken=True)
     if failures:
-        return Verdict(error=RemoteError(failures, results, world_size))
+        return Verdict(error=RemoteError(failures, results, world_size, _gone_advice(gone)))
     return Verdict(results=results)
+
+
+def _gone_advice(gone: List[int]) -> str:
+    """What to say when failed ranks were left without a default process group."""
+    if not gone:
+        return ""
+    return (f"{ranks_phrase(gone)} no longer {'has' if len(gone) == 1 else 'have'} "
+            "a default process group: this call destroyed it and did not make a new one, so "
+            "collectives fail there until dist.init_process_group runs again on every rank; "
+            "restart() (%dist_restart in a notebook) starts fresh ranks.")
 
 
 def _dead_group_advice(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> str:

@@ -253,7 +253,9 @@ class _Worker:
             except KeyboardInterrupt:
                 continue  # received before the mask: dropped, the call reports the first
         if error is not None:
-            return transport.encode(("err", seq, _failure(error, self.rank), []))
+            body = _failure(error, self.rank)
+            body["pg_gone"] = not dist.is_initialized()  # the call destroyed it, made no new one
+            return transport.encode(("err", seq, body, []))
         try:
             data, paths = serialize.dumps(value, None, pool=self.pool)
         except Exception as exc:  # noqa: BLE001 -- e.g. a lock, a generator, an open file

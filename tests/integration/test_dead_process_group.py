@@ -15,6 +15,20 @@ def _works(group):
     assert group.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
 
 
+def test_a_call_that_destroys_the_process_group_and_fails_says_so():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=3) as g:
+        with pytest.raises(nbdist.RemoteError) as info:
+            g.exec("dist.destroy_process_group()\nif rank == 1: raise RuntimeError('half done')",
+                   ranks=[1])
+        assert "nbdist: rank 1 no longer has a default process group: this call destroyed it and " \
+            "did not make a new one, so collectives fail there until dist.init_process_group " \
+            "runs again on every rank; restart() (%dist_restart in a notebook) starts fresh " \
+            "ranks." in str(info.value)
+        assert g.state == "ready"  # the ranks are fine: a new process group can be made there
+        g.restart()
+        _works(g)
+
+
 def test_a_collective_on_a_subset_of_ranks_times_out_and_the_group_says_it_is_broken():
     with nbdist.start(2, backend="gloo", device="cpu", timeout=3) as g:
         with pytest.raises(nbdist.RemoteError) as info:

@@ -207,6 +207,29 @@ def test_failed_fit_leaves_group_usable(g, nb, gloowrap):
     assert results[0].global_step == 4
 
 
+@pytest.mark.timeout(120)
+def test_a_fit_backend_one_rank_cannot_start_leaves_the_group_on_its_own(nb):
+    """Rank 1's creator refuses: rank 0 waits for it until the process-group timeout (5 s here).
+    Both then go back to the group's backend, so the next call's collective works (it used to find
+    no default process group at all, with the group saying "ready")."""
+    def creator(store, rank, size, timeout):
+        import torch.distributed as dist
+        if rank == 1:
+            raise RuntimeError("creator refuses rank 1")
+        return dist.ProcessGroupGloo(store, rank, size, timeout)
+    nbdist.register_backend("halfgloo", creator, devices=["cpu"], replace=True)
+    try:
+        with prepared_group(2, SOURCE, timeout=5) as group:
+            with pytest.raises(nbdist.RemoteError, match="creator refuses rank 1"):
+                nl.fit(group, nb["Toy"], nb["make_data"], process_group_backend="halfgloo",
+                       max_epochs=1, logger=False, enable_checkpointing=False)
+            assert group.state == "ready"
+            assert group.exec("t = torch.ones(1); dist.all_reduce(t); (dist.get_backend(), "
+                              "t.item())") == [("gloo", 2.0)] * 2
+    finally:
+        nbdist.backends.unregister_backend("halfgloo")
+
+
 @pytest.mark.parametrize("devices, strategy, harm", [
     (4, "ddp", "split the data 4 ways"), (1, "ddp", "not train as one job"),
     (1, "auto", "not train as one job")])
