@@ -29,6 +29,8 @@ def test_it_runs_the_readmes_test_command_and_chromium_only_on_linux():
     steps = yaml.safe_load(CI.read_text(encoding="utf-8"))["jobs"]["test"]["steps"]
     runs = [s.get("run", "").strip() for s in steps]
     assert command in runs
+    readme_step = next(s for s in steps if s.get("run", "").strip() == command)
+    assert readme_step["if"] == "runner.os != 'Windows'"
     chromium = [s for s in steps if "playwright install" in s.get("run", "")]
     assert len(chromium) == 1 and chromium[0]["if"] == "runner.os == 'Linux'"
     assert chromium[0]["run"].strip().endswith("playwright install --with-deps chromium")
@@ -41,3 +43,14 @@ def test_it_runs_the_readmes_test_command_and_chromium_only_on_linux():
 def test_contributing_says_it_has_not_run_and_is_kept_by_hand():
     text = (ROOT / "CONTRIBUTING.md").read_text(encoding="utf-8")
     assert ".github/workflows/ci.yml" in text and "kept correct by hand" in text
+
+
+@pytest.mark.timeout(30)
+def test_the_windows_job_runs_the_same_suite_as_the_wine_run():
+    """Issue 26: the matrix's Windows job runs what scripts/test-windows.sh runs under Wine."""
+    steps = yaml.safe_load(CI.read_text(encoding="utf-8"))["jobs"]["test"]["steps"]
+    (step,) = [s for s in steps if s.get("if") == "runner.os == 'Windows'"]
+    ours = step["run"].strip().split(" -m pytest ", 1)[1]
+    wine = (ROOT / "scripts" / "test-windows.sh").read_text(encoding="utf-8")
+    (line,) = [ln for ln in wine.splitlines() if ln.startswith("wpy -m pytest ")]
+    assert line.split("wpy -m pytest ", 1)[1] == ours + ' "$@"'
