@@ -100,7 +100,7 @@ class _Worker:
                                                f"with code {code}.\n".encode())
             except OSError:
                 pass
-        os._exit(code)
+        pump.exit_now(code)
 
     def refuse(self, err: BaseException) -> None:
         """A protected connection failed: say why on the launcher's log and to the caller, exit."""

@@ -9,6 +9,7 @@ import os
 import sys
 from typing import Optional
 
+from ..wire import pump
 from ..wire.pump import drain_pumps
 from ..wire.seal import EXIT_TAMPERED
 
@@ -33,7 +34,7 @@ def _say(text: str) -> None:
 def stream_lost() -> None:
     """The controller dropped a stream (it refused a frame, or is gone): exit, as the watchdog
     does when the controller goes away (the controller reports the rank)."""
-    os._exit(70)
+    pump.exit_now(70)
 
 
 def refuse(rank: int, err: BaseException) -> None:
@@ -47,4 +48,4 @@ def refuse(rank: int, err: BaseException) -> None:
         drain_pumps(1.0)
     except (OSError, ValueError):
         pass
-    os._exit(EXIT_TAMPERED)
+    pump.exit_now(EXIT_TAMPERED)

@@ -9,8 +9,12 @@ warnings, ``os.write(1, ...)``, the text of an abort) must reach the notebook to
 ``pipe`` (the only way on Windows; elsewhere with ``NBDIST_STREAMS=pipe``)
     fd 1 and fd 2 are pipes, and a thread per stream forwards what is written over the socket
     (:class:`nbdist.wire.pump.PipePump`): a Windows socket is a handle, not a C-runtime file
-    descriptor, so ``dup2`` refuses it. What a process writes just before it dies abruptly
-    (``os._exit``, a crash) may not be forwarded: the pump dies with it.
+    descriptor, so ``dup2`` refuses it. What a process writes just before a crash may not be
+    forwarded: the pump dies with it.
+
+Either way, a rank that ends itself with ``os._exit`` is heard to its last line: on a rank,
+``os._exit`` first flushes ``sys.stdout`` / ``sys.stderr`` (Python's buffers, which ``os._exit``
+skips) and lets the pumps forward what was written (:data:`LAST_WORDS_S` at most).
 
 A protected group (:mod:`.sealed`) always uses pipes, each chunk sent in a sealed frame.
 The stderr socket is also the rank's lifeline: the watchdog (:mod:`.rankserver`) reads the
@@ -26,6 +30,8 @@ from ..wire import pump, transport
 from . import sealed
 
 ENV_VAR = "NBDIST_STREAMS"  #: chooses how a rank's fds 1 and 2 reach the caller
+#: how long ``os._exit`` on a rank waits for the pumps to forward its last words
+LAST_WORDS_S = 1.0
 WINDOWS = sys.platform == "win32"
 
 
@@ -70,4 +76,23 @@ def connect(cfg: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
                       closefd=False)
     sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
                       closefd=False)
+    _keep_last_words()
     return lifeline
+
+
+def _keep_last_words() -> None:
+    """Make ``os._exit`` on this rank flush Python's buffers and drain the pumps first."""
+    real = getattr(os._exit, "__wrapped__", os._exit)
+
+    def _exit(code: int) -> None:
+        try:
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            pump.drain_pumps(LAST_WORDS_S)
+        except (OSError, ValueError):  # a closed stream, a broken socket: exit all the same
+            pass
+        real(code)
+
+    _exit.__wrapped__ = real
+    _exit.__doc__ = real.__doc__
+    os._exit = _exit

@@ -29,7 +29,7 @@ from typing import Any, Dict
 
 import torch.distributed as dist
 
-from ..wire import transport
+from ..wire import pump, transport
 from .rankserver import _failure, _flush_output, _Worker
 from .worker_signals import sigint_ignored
 
@@ -74,20 +74,20 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
     except BaseException as exc:  # noqa: BLE001 -- report, then exit
         _flush_output()
         channel.send(("init_err", -1, _failure(exc, worker.rank)))
-        os._exit(3)
+        pump.exit_now(3)
     channel.send(("ready", -1, info))
     try:
         worker.serve(channel)
     except transport.IntegrityError as err:  # protected group: a tampered message
         worker.refuse(err)
     except (ConnectionError, OSError):
-        os._exit(71)  # the controller is gone
+        pump.exit_now(71)  # the controller is gone
     try:
         dist.destroy_process_group()
         atexit._run_exitfuncs()  # user atexit handlers, multiprocessing's finalizers (semaphores)
     finally:
         _flush_output()
-        os._exit(0)
+        pump.exit_now(0)
 
 
 def _launcher_env(name: str, *fallbacks: str) -> int:
@@ -141,7 +141,7 @@ def cli(argv=None) -> None:
     except transport.IntegrityError as err:
         worker.refuse(err)
     if kind != "config":
-        os._exit(72)
+        pump.exit_now(72)
     cfg.update(extra, local_rank=local_rank, world_size=world)
     for k, v in extra.get("env", {}).items():
         os.environ[k] = v

@@ -47,7 +47,7 @@ class PipePump:
     """
 
     def __init__(self, fd: int, sock, seal: Optional[Seal] = None,
-                 on_lost: Callable[[], None] = lambda: os._exit(70), name: str = ""):
+                 on_lost: Callable[[], None] = lambda: exit_now(70), name: str = ""):
         self.sock, self.seal, self.on_lost = sock, seal, on_lost
         self.name = name  #: "stdout" / "stderr"
         self.sent = 0  #: frames (or plain chunks) sent so far; written by the pump thread only
@@ -144,6 +144,12 @@ class PipePump:
 
 
 PUMPS: List[PipePump] = []  #: this process's pumps (a worker has at most one per stream)
+
+
+def exit_now(code: int) -> None:
+    """End this process at once, without the wait for the pumps that a rank's ``os._exit`` makes
+    (:mod:`nbdist.runtime.streams`): nbdist's own exits, when the caller is gone or has been told."""
+    getattr(os._exit, "__wrapped__", os._exit)(code)
 
 
 def sent_counts() -> Dict[str, int]:

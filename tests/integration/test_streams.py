@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 import nbdist
-from stream_paths import STREAM_PATHS
+from stream_paths import STREAM_PATHS, each_stream_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -77,6 +77,23 @@ def test_interrupts_and_kills_travel_beside_a_piped_stderr(streams):
             job.result()
         g.restart()
         assert g.exec("t = torch.ones(1); dist.all_reduce(t); t.item()") == [2.0, 2.0]
+
+
+@each_stream_path
+def test_a_rank_that_ends_itself_is_heard_to_its_last_line(streams):
+    """os._exit right after a C-level write and an unflushed print: on every path the words reach
+    RankDiedError (on the pipe paths the pump used to die with the process before it read them)."""
+    with nbdist.start(2, **streams) as g:
+        with pytest.raises(nbdist.RankDiedError) as info:
+            g.exec("import os, sys, time\nif rank == 1:\n"
+                   "    os.write(2, b'C-level last words\\n')\n"
+                   "    sys.stderr.write('unflushed python words\\n')\n"
+                   "    sys.stderr.write('no newline at the end')\n"
+                   "    os._exit(5)\ntime.sleep(30)")
+        text = str(info.value)
+        assert "rank 1 exited with code 5" in text
+        for words in ("C-level last words", "unflushed python words", "no newline at the end"):
+            assert words in text, text
 
 
 @pytest.mark.timeout(30)
