@@ -88,6 +88,45 @@ def test_memory_measure_with_ddp_zero1_fsdp_and_fsdp2(g):
     assert {d["strategy"] for d in report.to_dicts()} == {"ddp", "zero1", "fsdp", "fsdp2"}
 
 
+def _toy_module():
+    import pytorch_lightning as pl
+
+    class Toy(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(int(os.environ.get("RANK", "0")))  # ranks start different
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, i):
+            return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05)
+
+    return Toy()
+
+
+def _toy_data():
+    from torch.utils.data import DataLoader, TensorDataset
+
+    x = torch.randn(32, 4, generator=torch.Generator().manual_seed(0))
+    return DataLoader(TensorDataset(x, x @ torch.tensor([[1.0], [-2.0], [0.5], [3.0]])),
+                      batch_size=8)
+
+
+def test_lightning_fit_with_ddp(g):
+    pytest.importorskip("pytorch_lightning", reason="Lightning is an extra: pip install "
+                        "nbdist[lightning] (the Windows stack installs it)")
+    from nbdist import lightning as nl
+
+    results = nl.fit(g, _toy_module, _toy_data, "ddp", weights="all", max_epochs=2, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False)
+    assert [r.global_step for r in results] == [4, 4]  # 32 samples / 2 ranks / batch 8, 2 epochs
+    first, second = (r.load_into(_toy_module()).state_dict() for r in results)
+    assert all(torch.equal(first[k], second[k]) for k in first)  # DDP kept the ranks in step
+    assert g.exec("dist.get_backend()") == ["gloo", "gloo"]
+
+
 @pytest.mark.allow_leaks  # the restarted ranks are the module group's: stopped after the module
 def test_a_rank_death_is_reported_and_restart_takes_the_warm_spares(g):
     with pytest.raises(nbdist.RankDiedError, match="rank 1 exited with code 3"):
