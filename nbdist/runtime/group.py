@@ -336,7 +336,7 @@ class Group(Dispatch):
 
     @property
     def _prefix(self) -> Optional[str]:
-        return segments.shm_prefix(self.id, "c") if segments.SHARED_FILES else None
+        return segments.shm_prefix(self.id, "c") if segments.shared_files() else None
 
     # ---- status -------------------------------------------------------------------------------
     def status(self) -> GroupStatus:

@@ -188,10 +188,11 @@ class LocalLauncher(Launcher):
         if opts["debug"]:
             env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
         stream_mode(env)  # a bad NBDIST_STREAMS is refused here, before any rank starts
+        shared = segments.shared_files(env)  # and a bad NBDIST_TENSORS
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]), self.protect,
-                              self.start_method)
+                              self.start_method, shared)
         return ranks, None
 
 
@@ -255,8 +256,10 @@ def rank_env(base: Dict[str, str], rank: int, world_size: int, port: int) -> Dic
 def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout: float,
                   threads: Optional[int], env: Dict[str, str], store_path: str,
                   relay: OutputRelay, init_timeout: float, protect: bool = False,
-                  start_method: Optional[str] = None) -> List[Rank]:
-    """Start ``world_size`` workers and return them once all are ready (or raise, leaving none)."""
+                  start_method: Optional[str] = None,
+                  shared: bool = segments.SHARED_FILES) -> List[Rank]:
+    """Start ``world_size`` workers and return them once all are ready (or raise, leaving none);
+    ``shared``: their large results travel as shared files (else inside the message)."""
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
@@ -274,7 +277,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
             cfg = {"rank": r, "world_size": world_size, "local_rank": r, "group_id": group_id,
                    "address": ("127.0.0.1", port), "key": key, "backend": choice.backend,
                    "device": choice.device, "timeout": timeout, "threads": threads,
-                   "custom_backends": custom, "store_path": store_path, "shm": segments.SHARED_FILES,
+                   "custom_backends": custom, "store_path": store_path, "shm": shared,
                    "rank_hooks": RANK_HOOKS, "env": rank_env(env, r, world_size, port)}
             name = f"nbdist-{group_id}-rank{r}"
             proc = warm.pop(0).hand(cfg, name) if warm else None

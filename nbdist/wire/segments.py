@@ -21,6 +21,26 @@ SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 #: travel inside the message, as they do to and from ranks on other hosts (attached groups).
 SHARED_FILES = sys.platform != "win32"
 SHM_MIN_BYTES = 1 << 16
+#: chooses how a local group's large tensors travel: ``shared`` (files beside the message, where
+#: :data:`SHARED_FILES`) or ``message`` (inside it: Windows' only way, selectable elsewhere)
+ENV_VAR = "NBDIST_TENSORS"
+
+
+def shared_files(environ=None) -> bool:
+    """Whether a local group's large tensors travel as shared files: ``NBDIST_TENSORS`` in
+    ``environ`` (default: this process's environment), else where the platform allows it. An
+    unknown value, or ``shared`` on Windows, is refused, naming it."""
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    usable = ("shared", "message") if SHARED_FILES else ("message",)
+    if not value:
+        return usable[0] == "shared"
+    if value not in usable:
+        why = (" (a file a process has mapped cannot be deleted on Windows, so a killed rank's "
+               "segments would stay)") if not SHARED_FILES and value == "shared" else ""
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(map(repr, usable))} on this "
+                         f"platform, got {value!r}{why}; unset it for the default "
+                         f"({usable[0]!r}).")
+    return value == "shared"
 
 
 def shm_prefix(group_id: str, who: str) -> str:

@@ -5,6 +5,12 @@ A large CPU tensor is not pickled byte by byte. Its data is copied once into a f
 receiver maps the file (``torch.from_file``), so the bytes never pass through a socket. Files are
 named ``nbdist-<group id>-...`` so that a group can remove anything a crash left behind.
 
+Where there are no shared files (Windows, ``NBDIST_TENSORS=message``, ranks on other hosts), a
+large CPU tensor's bytes travel inside the message as one out-of-band-style buffer (pickle protocol
+5's ``PickleBuffer``): written once into the stream, rebuilt with ``torch.frombuffer`` over the
+bytes the unpickler made -- not through ``torch.save`` / ``torch.load``, which torch's own
+reduction of a tensor uses.
+
 Results travelling worker -> caller go into segments a worker reuses (see :mod:`nbdist.wire.pool`);
 values pushed caller -> workers are mapped private (copy-on-write) by every rank and unlinked by the caller
 once all ranks have answered.
@@ -14,6 +20,7 @@ from __future__ import annotations
 import io
 import itertools
 import os
+import pickle
 import sys
 from typing import Any, List, Optional
 
@@ -23,6 +30,22 @@ from .pool import rebuild_pooled
 from .segments import SHM_MIN_BYTES, remove_segments, write_all
 
 _counter = itertools.count()
+
+
+def _rebuild_inline(data: bytearray, dtype, shape, requires_grad: bool, is_param: bool):
+    import torch
+
+    tensor = torch.frombuffer(data, dtype=dtype).view(shape) if len(data) else \
+        torch.empty(shape, dtype=dtype)
+    return _finish(torch, tensor, requires_grad, is_param)
+
+
+def _finish(torch, tensor, requires_grad: bool, is_param: bool):
+    if is_param:
+        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
+    if requires_grad:
+        tensor.requires_grad_(True)
+    return tensor
 
 
 def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool, private: bool,
@@ -35,11 +58,7 @@ def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool
     tensor = torch.from_file(path, shared=not private, size=numel, dtype=dtype).view(shape)
     if unlink:
         remove_segments([path])
-    if is_param:
-        return torch.nn.Parameter(tensor, requires_grad=requires_grad)
-    if requires_grad:
-        tensor.requires_grad_(True)
-    return tensor
+    return _finish(torch, tensor, requires_grad, is_param)
 
 
 class Pickler(cloudpickle.Pickler):
@@ -61,8 +80,7 @@ class Pickler(cloudpickle.Pickler):
 
     def reducer_override(self, obj):
         torch = sys.modules.get("torch")
-        if ((self.prefix is not None or self.pool is not None) and torch is not None
-                and type(obj) in (torch.Tensor, torch.nn.Parameter)):
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
             reduced = self._reduce_tensor(obj, torch)
             if reduced is not None:
                 return reduced
@@ -76,6 +94,10 @@ class Pickler(cloudpickle.Pickler):
         data = t.detach().contiguous()
         is_param = isinstance(t, torch.nn.Parameter)
         requires_grad = bool(t.requires_grad and (t.is_leaf or is_param))
+        if self.pool is None and self.prefix is None:  # inside the message: its bytes, once
+            raw = memoryview(data.view(-1).view(torch.uint8).numpy())
+            return (_rebuild_inline, (pickle.PickleBuffer(raw), data.dtype, tuple(data.shape),
+                                      requires_grad, is_param))
         if self.pool is not None:
             path, nbytes = self.pool.store(data)
             self.pooled.append(path)
