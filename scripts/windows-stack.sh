@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Build the Windows stack under Wine: the official embeddable CPython 3.13 (win_amd64), PyPI's
-# Windows torch 2.13.0 wheel and this checkout of nbdist, in ROOT (default .wine-ci, git-ignored).
+# Windows torch 2.13.0 wheel, DeepSpeed 0.19.8 and this checkout of nbdist, in ROOT (default
+# .wine-ci, git-ignored).
 # Linux x86-64 with apt (Debian bookworm: Wine 8.0), as root. About 2 minutes and 260 MB of downloads
 # the first time; a second run reuses ROOT/dl and only reinstalls nbdist.
 #   bash scripts/windows-stack.sh [ROOT]
@@ -65,6 +66,17 @@ if ! wpy -c "import torch, IPython, pytorch_lightning" >/dev/null 2>&1; then
   wpy -m pip install -q --no-compile --no-index --find-links "$WHEELS" torch numpy==2.1.3 \
     cloudpickle psutil tqdm colorama pytest pytest-timeout $NOTEBOOK
   wpy -m pip install -q --no-compile --no-index --no-deps --find-links "$WHEELS" $LIGHTNING
+fi
+# DeepSpeed 0.19.8 (ops off): pip cannot install its sdist on Windows (setup.py lists
+# bin/deepspeed.bat, which the sdist lacks), so the pure-Python wheel is built here, on Linux, as
+# docs/platforms.md tells Windows users. Its dependency pydantic-core (Rust) imports
+# bcryptprimitives.ProcessPrng, which Wine 8 lacks: a forwarder DLL to RtlGenRandom stands in.
+if [ ! -d py/Lib/site-packages/deepspeed ]; then
+  ls wheels/deepspeed-0.19.8-* >/dev/null 2>&1 ||
+    DS_BUILD_OPS=0 $PIP wheel -q --no-deps -w wheels deepspeed==0.19.8
+  $WIN -d wheels einops hjson msgpack ninja py-cpuinfo "pydantic>=2.0.0"
+  python3 "$REPO/scripts/wine-bcryptprimitives.py" py/bcryptprimitives.dll
+  wpy -m pip install -q --no-compile --no-index --find-links "$WHEELS" deepspeed==0.19.8
 fi
 # nbdist: this checkout's tracked files and its uncommitted changes (git archive would miss those).
 rm -rf src && mkdir src

@@ -48,6 +48,12 @@ import torch.distributed as dist
 from torch import nn
 
 DEEPSPEED_HINT = "pip install nbdist[deepspeed]"
+# DeepSpeed 0.19.8's setup.py, on win32 only, lists bin/deepspeed.bat among its scripts; the sdist
+# lacks it, so pip's build fails there (docs/platforms.md). The wheel built elsewhere installs.
+_WINDOWS_HINT = (" On Windows, pip cannot install DeepSpeed 0.19.8 from its sdist (its setup.py "
+                 "lists bin/deepspeed.bat, which the sdist lacks): build the wheel on Linux or "
+                 "WSL (pip wheel deepspeed==0.19.8 --no-deps) and pip install that "
+                 "deepspeed-0.19.8-py3-none-any.whl on Windows.")
 _MAX_BUCKET = 500_000_000  # DeepSpeed's own default, in elements
 
 
@@ -60,8 +66,9 @@ def require(what: str = "the deepspeed_zero* strategies need", instead: str = " 
     except ValueError:  # sys.modules["deepspeed"] is None: import blocked
         missing = True
     if missing:
+        here = _WINDOWS_HINT if sys.platform == "win32" else ""
         raise ImportError(f"{what} DeepSpeed, an optional extra: {DEEPSPEED_HINT} (a pure-Python "
-                          f"wheel; nothing is compiled).{instead}")
+                          f"wheel; nothing is compiled).{here}{instead}")
 
 
 def merge(base: Dict[str, Any], extra: Dict[str, Any]) -> Dict[str, Any]:
