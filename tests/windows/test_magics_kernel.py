@@ -51,6 +51,8 @@ def run(client, code):
     return reply["content"]["status"], "".join(out), errors
 
 
+# jupyter_client on Windows runs zmq on the Proactor event loop and says so; nothing to act on
+@pytest.mark.filterwarnings("ignore:Proactor event loop does not implement add_reader")
 def test_the_magics_run_a_group_in_a_real_kernel(kernel):
     status, _, errors = run(kernel, "%load_ext nbdist")
     assert status == "ok", errors
