@@ -18,6 +18,7 @@ from .runtime.api import attach, launch, start, stop_all
 from .runtime.group import Group, current_group, use_group
 from .runtime.jobs import Job
 from .runtime.metrics import Metrics
+from .runtime.stacks import Stacks
 from .runtime.ranklog import log
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
@@ -31,6 +32,7 @@ __all__ = sorted([
     "GroupInterrupted",
     "Job",
     "Metrics",
+    "Stacks",
     "NbdistError",
     "RankDiedError",
     "RemoteError",

@@ -161,10 +161,13 @@ def _where(status) -> str:
 
 
 class DistTimeoutError(NbdistError, TimeoutError):
-    """A call (or the rendezvous) did not finish in time; ``ranks`` are the ones still running."""
+    """A call (or the rendezvous) did not finish in time; ``ranks`` are the ones still running.
+    ``stacks``: where they were when the time ran out, before any was interrupted or killed
+    (an :class:`nbdist.runtime.stacks.Stacks`; ``None`` where none was taken)."""
 
-    def __init__(self, message: str, ranks: Sequence[int] = ()):
+    def __init__(self, message: str, ranks: Sequence[int] = (), stacks=None):
         self.ranks = list(ranks)
+        self.stacks = stacks
         super().__init__(message)
 
 

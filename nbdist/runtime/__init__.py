@@ -98,13 +98,17 @@ Threading model
     ``sink`` (the sink thread's queue) -> ``metrics`` (a call's rows) -> ``lifeline`` and
     ``channel`` (one writer per socket) -> ``pool`` (segment hooks; finalizers take it).
     Leaf locks outside the order, under which nothing else is taken: the ``__main__`` swap, the
-    spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
+    stacks box (:class:`~nbdist.runtime.stacks.StacksBox`: whichever thread reads a rank's channel
+    posts its stack there; ``Group.stacks()`` reads the channels itself, under the group's lock,
+    only when it could take that lock at once and no job runs), the spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
     launcher panel's refresh lock, and on the ranks the log batcher's and the stream pumps'.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
     (:mod:`.rankserver`; an unanswered interrupt is sent again from ``nbdist-interrupt``,
-    :mod:`.worker_signals`); where fds 1 and 2 are pipes, one *pump* per stream
+    :mod:`.worker_signals`), and takes the stacks the notebook asks for, which a short-lived
+    ``nbdist-stacks`` thread sends over the control channel (:mod:`.stacks`; the channel's send
+    lock keeps its messages whole beside the main thread's replies); where fds 1 and 2 are pipes, one *pump* per stream
     (``nbdist-pump-stdout`` / ``-stderr``) forwards them to the caller (:mod:`nbdist.wire.pump`,
     chosen in :mod:`.streams`).
 

@@ -31,6 +31,7 @@ from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteE
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
 from ..wire.relay import ABORT_EXIT_CODE
+from . import stacks
 from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
@@ -118,6 +119,9 @@ class Call:
             if status == "sync":  # a protected rank's output frames sent before its reply
                 rs.relay.expect(r, body)
                 continue
+            if status == "stacks":  # asked by Group.stacks() or a timeout (nbdist.runtime.stacks)
+                rs.stacks.post(s, r, body)
+                continue
             if s == self.seq and r in self.pending:
                 self.pending.discard(r)
                 self.replies[r] = (status, body, paths)
@@ -172,12 +176,15 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
     if call.outcome == DIED:
         return Verdict(error=_deaths(call, rs), broken=True)
     waiting = sorted(call.pending)
+    where = stacks.at_timeout(call, rs, waiting, world_size) if call.outcome == TIMEOUT else None
     killed, torn = _stop_pending(call, rs, grace)
     ended = (rs.abort_remote() if killed else []) if rs.ends_survivors else None
     after = _after_stop_text(killed, torn, grace, auto_restart, ended, rs)
     if call.outcome == TIMEOUT:
+        seen = f"\nWhere they were when the time ran out:\n{where.summary()}" if where else ""
         error: BaseException = DistTimeoutError(
-            f"{ranks_phrase(waiting)} still running after {call.timeout:g} s; {after}", waiting)
+            f"{ranks_phrase(waiting)} still running after {call.timeout:g} s; {after}{seen}",
+            waiting, where)
     else:
         error = GroupInterrupted(f"interrupted {ranks_phrase(waiting)}; {after}",
                                  sorted(set(waiting) - set(killed)), killed)

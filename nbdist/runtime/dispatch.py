@@ -23,7 +23,7 @@ from typing import Any, List
 
 from ..errors import GroupClosedError, GroupInterrupted, RemoteError
 from ..wire import segments
-from . import requests
+from . import requests, stacks
 from .calls import Call, lost_results, settle
 from .jobs import Job
 
@@ -47,6 +47,30 @@ class Dispatch:
                 return
             raise GroupClosedError("this group is broken after an earlier failure (see the error "
                                    f"above); {self._launcher.broken_advice}")
+
+    def stacks(self, all_threads: bool = False, ranks=None, timeout: float = 5.0):
+        """Each rank's current Python stack -- the main thread's, every thread's with
+        ``all_threads`` -- as a :class:`~nbdist.runtime.stacks.Stacks` (printed with ranks that
+        share a stack folded together). The rank's watchdog thread takes it, so it works while
+        the rank is busy: in a background job, in a hung collective, in a blocking call seen from
+        another thread, on attached ranks. A rank that does not answer within ``timeout`` s shows
+        as "no answer". ``ranks``: which ranks to ask (default all)."""
+        targets = requests.targets(ranks, self.world_size)
+        rs = self._rs
+        if rs is None or self._state not in ("ready", "busy"):
+            raise GroupClosedError(f"this group is {self._state}: it has no running ranks to "
+                                   "take stacks from; call restart() (or nbdist.start()) first.")
+        n, asked = stacks.ask(rs, targets, all_threads)
+        read = self._lock.acquire(blocking=False)  # held: nobody else reads the channels
+        try:
+            if read and self.job is not None:  # the job's thread reads them: let it
+                self._lock.release()
+                read = False
+            got = stacks.collect(rs, n, asked, timeout, read)
+        finally:
+            if read:
+                self._lock.release()
+        return stacks.Stacks({r: got.get(r) for r in targets}, self.world_size)
 
     def _begin(self, req: requests.Request, ranks, timeout) -> Call:
         """Under the lock: check, make the call, mark busy (nothing sent yet)."""

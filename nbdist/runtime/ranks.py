@@ -32,6 +32,7 @@ from ..errors import ExitStatus
 from ..wire import locks, transport
 from ..wire.relay import OutputRelay
 from .processes import Process, select_exits, watch_exits
+from .stacks import StacksBox
 
 #: A rank's states, each with the states it may move to (the one state machine; see above).
 MOVES = {
@@ -168,6 +169,7 @@ class RankSet:
         self.ends_survivors = ends_survivors
         if ends_survivors:
             relay.on_close = self._lifeline_closed
+        self.stacks = StacksBox()  #: the ranks' answers to stack requests (:mod:`.stacks`)
         self._sel = selectors.DefaultSelector()
         for r in ranks:
             self._sel.register(r.channel.sock, selectors.EVENT_READ, ("ctl", r.rank))

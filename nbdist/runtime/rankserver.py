@@ -21,7 +21,7 @@ import time
 import traceback
 import types
 from datetime import timedelta
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import cloudpickle
 import torch
@@ -31,10 +31,10 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, ranklog, sealed, streams
+from . import imports, ranklog, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
-_INTERRUPT = re.compile(rb"I(\d+);")
+_COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
              "(backend {backend!r}, rank {rank} of {world}); use it as is -- there is no need to "
              "call init_process_group. To change the backend or world size, call "
@@ -48,6 +48,7 @@ class _Worker:
         self.ns: Dict[str, Any] = {}
         self.cells = 0
         self.interrupts = Interrupts(threading.main_thread().ident)
+        self.channel: Optional[transport.Channel] = None  # for the watchdog's stacks
         self.pool = SegmentPool(segments.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
             if cfg["shm"] else None
 
@@ -61,14 +62,15 @@ class _Worker:
     def _watchdog(self) -> None:
         # The controller's end of the stderr stream carries commands: "I<seq>;" interrupts request
         # seq in the main thread (SIGINT, as the notebook's interrupt button would; a request whose
-        # code has not started yet is interrupted as it starts), "K" kills this process,
+        # code has not started yet is interrupted as it starts), "S<n>;" / "A<n>;" send the main
+        # thread's / every thread's stack (:mod:`.stacks`), "K" kills this process,
         # "X" exits it with ABORT_EXIT_CODE (the group failed: the launcher must see a failure, not
         # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
         # never outlive it. Keepalive notices a controller host that vanished without a word.
         transport.keepalive(self.lifeline)
         code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
                          "unreachable)")
-        held = b""  # plain streams: the start of an "I<seq>;" cut by recv()
+        held = b""  # plain streams: the start of an "I<seq>;" (or "S<n>;") cut by recv()
         try:
             while True:
                 if self.lifeline_seal is not None:  # protected: one sealed command per frame
@@ -85,11 +87,15 @@ class _Worker:
                     code, why = ABORT_EXIT_CODE, ("the controller ended this rank: its group "
                                                   "failed (another rank died or was killed)")
                     break
-                if b"I" in data:
-                    seqs = _INTERRUPT.findall(data)
-                    held = data[data.rindex(b"I"):] if not data.endswith(b";") else b""
-                    if seqs:
-                        self.interrupts.request(max(map(int, seqs)))
+                commands = _COMMAND.findall(data)
+                start = max(data.rfind(b"I"), data.rfind(b"S"), data.rfind(b"A"))
+                held = data[start:] if start >= 0 and b";" not in data[start:] else b""
+                seqs = [int(n) for kind, n in commands if kind == b"I"]
+                if seqs:
+                    self.interrupts.request(max(seqs))
+                for kind, n in commands:
+                    if kind != b"I" and self.channel is not None:
+                        stacks.send_later(self.channel, int(n), stacks.capture(kind == b"A"))
         except seal_module.IntegrityError as err:
             self.refuse(err)
         except (OSError, ValueError):  # the lifeline failed: exit

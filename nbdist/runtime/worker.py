@@ -69,6 +69,7 @@ class _NoStdin(io.TextIOBase):
 
 def _run(worker: _Worker, channel: transport.Channel) -> None:
     sys.stdin = _NoStdin(worker.rank)  # the launcher's stdin is closed or /dev/null
+    worker.channel = channel
     try:
         info = worker.init_dist()
     except BaseException as exc:  # noqa: BLE001 -- report, then exit

@@ -70,6 +70,12 @@ class Lifeline:
         interrupt button would), or, if its code has not started yet, as soon as it starts."""
         return self._send(b"I%d;" % seq)
 
+    def stacks(self, n: int, all_threads: bool = False) -> bool:
+        """Ask the rank's watchdog for its main thread's stack (every thread's with
+        ``all_threads``), answered as request ``n`` on the control channel
+        (:mod:`nbdist.runtime.stacks`)."""
+        return self._send(b"%s%d;" % (b"A" if all_threads else b"S", n))
+
     def kill(self) -> bool:
         """Make the rank SIGKILL itself (works for ranks on other hosts too)."""
         return self._send(b"K")

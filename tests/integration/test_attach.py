@@ -37,14 +37,23 @@ def test_two_torchrun_nodes_join_one_controller(cluster):
     assert cluster.close() == [0, 0]  # stop ends the workers and torchrun's agents cleanly
 
 
-def test_interrupt_reaches_remote_ranks(cluster):
+def test_interrupt_reaches_remote_ranks_and_their_stacks_are_seen(cluster):
     import signal
 
-    timer = threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT))
+    seen = []
+
+    def look_then_interrupt():  # issue 27: the stacks of attached ranks, while they are busy
+        time.sleep(1.0)
+        seen.append(cluster.group.stacks(timeout=10))
+        os.kill(os.getpid(), signal.SIGINT)
+
+    timer = threading.Thread(target=look_then_interrupt)
     timer.start()
     with pytest.raises(nbdist.GroupInterrupted, match="still usable"):
-        cluster.group.exec("import time; time.sleep(60)")
+        cluster.group.exec("import time\ndef nap():\n    time.sleep(60)\nnap()")
     timer.join()
+    (line,) = seen[0].summary().splitlines()
+    assert line.startswith("ranks 0, 1: <dist-cell-") and line.endswith(" nap"), line
     assert cluster.group.run(lambda: 1) == [1, 1]
 
 

@@ -143,3 +143,24 @@ def test_the_live_view_redraws_at_most_every_half_second(shell, dist_group, monk
     assert job.state == "done" and len(job.metrics) > 1000  # fast logging indeed
     assert 2 <= view.redraws <= elapsed / live.MIN_EVERY + 2, (view.redraws, elapsed)
     assert len(drawn) <= elapsed / live.MIN_EVERY + 2, (len(drawn), elapsed)
+
+
+def test_dist_stacks_shows_where_a_background_job_is(shell, dist_group):
+    job = shell.run_cell_magic("dist", "--bg napping", "import time\ndef nap():\n    time.sleep(30)"
+                                                        "\nnap()")
+    try:
+        deadline = time.monotonic() + 20
+        while True:
+            stacks = shell.run_line_magic("dist_stacks", "")
+            if stacks.summary().endswith(" nap") or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        (line,) = stacks.summary().splitlines()
+        assert line.startswith("ranks 0, 1: <dist-cell-") and line.endswith(" nap"), line
+        one = shell.run_line_magic("dist_stacks", "--all --ranks 1 --timeout 10")
+        assert list(one.by_rank) == [1] and "thread MainThread (main):" in str(one)
+        with pytest.raises(UsageError, match="dist_stacks"):
+            shell.run_line_magic("dist_stacks", "--ranks 7")
+    finally:
+        job.interrupt()
+        job.wait(30)

@@ -1,7 +1,7 @@
 """``%%dist --bg``'s companions: ``%dist_jobs`` lists the background jobs started in this kernel
 (``%%dist --bg``, ``g.submit``, ``nbdist.lightning.fit(..., block=False)``),
 ``%dist_wait [NAME]`` waits for one (a progress bar follows the steps the ranks log) and
-``%dist_watch [NAME]`` shows its live view."""
+``%dist_watch [NAME]`` shows its live view; ``%dist_stacks`` shows where every rank is now."""
 from __future__ import annotations
 
 import html
@@ -14,7 +14,8 @@ from IPython.display import publish_display_data
 
 from ...runtime.jobs import Job
 from ..live import finish_views
-from .base import JOBS, NbdistMagics, job_name, register_magics, usage  # noqa: F401
+from .base import (JOBS, NbdistMagics, _rank_list, _seconds, job_name,  # noqa: F401
+                   register_magics, usage)
 
 def find_job(name: Optional[str]) -> Job:
     """The job called ``name``, or the latest one; ``UsageError`` naming the known jobs if none."""
@@ -29,7 +30,25 @@ def find_job(name: Optional[str]) -> Job:
 @register_magics
 @magics_class
 class JobMagics(NbdistMagics):
-    """``%dist_jobs``, ``%dist_wait`` and ``%dist_watch``."""
+    """``%dist_jobs``, ``%dist_wait``, ``%dist_watch`` and ``%dist_stacks``."""
+
+    @line_magic
+    @magic_arguments()
+    @argument("--all", action="store_true", help="every thread, not only the main thread")
+    @argument("--ranks", type=_rank_list, metavar="R[,R...]",
+              help="comma-separated ranks, e.g. 0,2 (default: all)")
+    @argument("--timeout", type=_seconds, default=5.0, metavar="S",
+              help="how long to wait for the ranks' answers (default 5 s)")
+    def dist_stacks(self, line: str = ""):
+        """Show where every rank is now: its Python stack, taken by the rank's watchdog thread,
+        so it works while a background job or a hung collective keeps the rank busy. Ranks with
+        the same stack show once. Returns the Stacks (``_.by_rank`` has the frames)."""
+        args = self.parse(self.dist_stacks, line)
+        group = self.group
+        try:
+            return group.stacks(all_threads=args.all, ranks=args.ranks, timeout=args.timeout)
+        except (ValueError, TypeError) as err:  # e.g. --ranks 7 on a group of 2
+            raise UsageError(f"{err}\n{usage(self.dist_stacks)}") from None
 
     @line_magic
     @magic_arguments()

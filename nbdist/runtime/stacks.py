@@ -1,0 +1,249 @@
+"""Every rank's Python stack, taken while the rank runs: ``Group.stacks()``, ``%dist_stacks``, and
+the stacks a :class:`~nbdist.errors.DistTimeoutError` carries.
+
+On a rank, the watchdog thread -- not the main thread, which may be stuck in a collective, a
+``time.sleep`` or a data loader -- takes the stack when the notebook asks down the lifeline
+(``S<n>;``: the main thread, ``A<n>;``: every thread; :meth:`nbdist.wire.relay.Lifeline.stacks`),
+and a short-lived thread sends it over the control channel as ``("stacks", n, body, [])``
+(:func:`capture`, :func:`send_later`). On the notebook's side, whichever thread reads that rank's
+channel posts it to the rank set's :class:`StacksBox`: a waiting call, a background job's thread,
+or :func:`collect` itself when the group is idle.
+
+The stacks leave out nbdist's own serving frames: a rank that waits for a request shows as idle.
+Ranks whose stacks are the same are shown once (:class:`Stacks`: ``ranks 0, 2, 3: <dist-cell-4>:3
+<module> -> distributed_c10d.py:2950 all_reduce``).
+"""
+from __future__ import annotations
+
+import itertools
+import os
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Dict, Iterable, List, Optional, Tuple
+
+from ..errors import ranks_phrase
+
+_NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_SERVING = tuple(os.path.join(_NBDIST, part) + os.sep for part in ("runtime", "wire"))
+_numbers = itertools.count(1)
+
+
+# ---- on the rank --------------------------------------------------------------------------------
+def capture(all_threads: bool) -> Dict[str, Any]:
+    """The stack of this process's main thread (every thread's with ``all_threads``), as plain
+    data: ``{"threads": [{"name", "main", "frames": [(file, line, function, text)]}], ...}``.
+    Called on the watchdog thread, which leaves itself out."""
+    main, me = threading.main_thread().ident, threading.get_ident()
+    names = {t.ident: t.name for t in threading.enumerate()}
+    threads = []
+    for ident, frame in sys._current_frames().items():
+        if ident == me or (not all_threads and ident != main) or \
+                names.get(ident, "").startswith("nbdist-"):  # our own helpers: not yours
+            continue
+        frames = [(f.filename, f.lineno, f.name, (f.line or "").strip())
+                  for f in traceback.extract_stack(frame)]
+        threads.append({"name": names.get(ident, f"thread {ident}"), "main": ident == main,
+                        "frames": _user_frames(frames) if ident == main else frames})
+    threads.sort(key=lambda t: not t["main"])
+    return {"threads": threads, "time": time.time(), "pid": os.getpid(), "all": all_threads}
+
+
+def _user_frames(frames: List[tuple]) -> List[tuple]:
+    """The main thread's frames after nbdist's serving loop (and what started the process): the
+    code a request runs, or nothing while the rank waits for one."""
+    start = next((i for i, f in enumerate(frames) if f[0].startswith(_SERVING)), None)
+    if start is None:
+        return frames  # not under nbdist's loop
+    end = start
+    while end < len(frames) and frames[end][0].startswith(_SERVING):
+        end += 1
+    return frames[end:]
+
+
+def send_later(channel, n: int, body: Dict[str, Any]) -> None:
+    """Send stacks ``n`` from a thread of its own: the control channel may be busy with a large
+    reply, and the watchdog must stay free to read the next command."""
+    def run():
+        try:
+            channel.send(("stacks", n, body, []))
+        except (OSError, ValueError):
+            pass  # the controller is gone: the watchdog notices
+    threading.Thread(target=run, name="nbdist-stacks", daemon=True).start()
+
+
+# ---- on the notebook's side ---------------------------------------------------------------------
+class StacksBox:
+    """Stacks the ranks sent, by request number and rank, until the asker takes them. Any thread
+    posts (the one reading the rank's channel); the asker waits. Its lock is a leaf."""
+
+    def __init__(self):
+        self._cond = threading.Condition(threading.Lock())
+        self._got: Dict[Tuple[int, int], Dict[str, Any]] = {}
+
+    def post(self, n: int, rank: int, body: Dict[str, Any]) -> None:
+        """Rank ``rank``'s answer to request ``n``."""
+        with self._cond:
+            self._got[(n, rank)] = body
+            self._cond.notify_all()
+
+    def answered(self, n: int, ranks: Iterable[int]) -> List[int]:
+        """The ranks among ``ranks`` that answered request ``n`` so far (nothing removed)."""
+        with self._cond:
+            return [r for r in ranks if (n, r) in self._got]
+
+    def take(self, n: int, ranks: Iterable[int]) -> Dict[int, Dict[str, Any]]:
+        """The answers to request ``n`` that came, removed from the box."""
+        with self._cond:
+            return {r: self._got.pop((n, r)) for r in ranks if (n, r) in self._got}
+
+    def wait(self, n: int, ranks: List[int], timeout: float) -> None:
+        """Until every rank in ``ranks`` answered request ``n``, or ``timeout`` s passed."""
+        deadline = time.monotonic() + timeout
+        with self._cond:
+            while not all((n, r) in self._got for r in ranks):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self._cond.wait(left)
+
+
+def ask(rs, ranks: Iterable[int], all_threads: bool = False) -> Tuple[int, List[int]]:
+    """Ask ``ranks`` for their stacks; the request's number and the ranks that were asked (a rank
+    without a live lifeline cannot answer)."""
+    n = next(_numbers)
+    asked = []
+    for r in ranks:
+        lifeline = rs.relay.lifeline(r)
+        if lifeline is not None and lifeline.stacks(n, all_threads):
+            asked.append(r)
+    return n, asked
+
+
+def collect(rs, n: int, asked: List[int], timeout: float, read: bool) -> Dict[int, Any]:
+    """The answers to request ``n`` within ``timeout`` s. ``read``: this thread reads the ranks'
+    channels itself (the group is idle and its lock is held); otherwise the thread waiting on the
+    running call reads them and posts to the box."""
+    deadline = time.monotonic() + timeout
+    if read:
+        got = set()
+        while set(asked) - got and time.monotonic() < deadline:
+            for what, r in rs.select(max(0.0, deadline - time.monotonic())):
+                if what != "ctl" or r not in asked:
+                    continue
+                try:
+                    status, s, body, paths = rs[r].channel.recv()
+                except Exception:  # noqa: BLE001 -- EOF or reset: the next call reports it
+                    got.add(r)
+                    continue
+                if status == "stacks":
+                    rs.stacks.post(s, r, body)
+                    if s == n:
+                        got.add(r)
+                else:
+                    rs.release(r, paths)  # a late reply nobody will read
+    else:
+        rs.stacks.wait(n, asked, timeout)
+    return rs.stacks.take(n, asked)
+
+
+#: how long a timed-out call waits for its ranks' stacks before it interrupts them
+AT_TIMEOUT_S = 2.0
+
+
+def at_timeout(call, rs, waiting: List[int], world_size: int) -> Optional["Stacks"]:
+    """The stacks of a timed-out call's ``waiting`` ranks, taken before they are interrupted
+    (the caller's thread reads the channels: :meth:`Call.poll <nbdist.runtime.calls.Call.poll>`
+    posts each answer). ``None`` if no rank answered."""
+    n, asked = ask(rs, waiting)
+    deadline = time.monotonic() + AT_TIMEOUT_S
+    try:
+        while asked and time.monotonic() < deadline and \
+                len(rs.stacks.answered(n, asked)) < len(asked):
+            call.poll(rs, max(0.0, deadline - time.monotonic()))
+    except KeyboardInterrupt:
+        pass  # interrupted while waiting: report what came
+    got = rs.stacks.take(n, asked)
+    return Stacks({r: got.get(r) for r in waiting}, world_size) if got else None
+
+
+class Stacks:
+    """What ``Group.stacks()`` returns: each rank's threads and frames (``by_rank``), shown with
+    ranks whose stacks are the same folded together. ``str()`` is the folded view with source
+    lines; ``summary()`` one line per set of ranks."""
+
+    def __init__(self, by_rank: Dict[int, Optional[Dict[str, Any]]], world_size: int):
+        #: rank -> ``{"threads": [...], "time", "pid"}``, or ``None`` where no answer came
+        self.by_rank = dict(sorted(by_rank.items()))
+        self.world_size = world_size
+
+    def frames(self, rank: int) -> List[tuple]:
+        """The main thread's frames of ``rank`` (outermost first): ``(file, line, function,
+        source)``; ``[]`` while it waits for a request."""
+        body = self.by_rank.get(rank)
+        return next((t["frames"] for t in body["threads"] if t["main"]), []) if body else []
+
+    def folded(self) -> List[Tuple[List[int], Optional[Dict[str, Any]]]]:
+        """``[(ranks, body)]``: ranks whose threads show the same frames, together."""
+        groups: Dict[Any, List[int]] = {}
+        bodies: Dict[Any, Optional[Dict[str, Any]]] = {}
+        for r, body in self.by_rank.items():
+            key = None if body is None else tuple(
+                (t["name"] if not t["main"] else "", tuple(f[:3] for f in t["frames"]))
+                for t in body["threads"])
+            groups.setdefault(key, []).append(r)
+            bodies.setdefault(key, body)
+        return [(ranks, bodies[key]) for key, ranks in groups.items()]
+
+    def summary(self) -> str:
+        """One line per set of ranks: ``ranks 0, 1: <dist-cell-3>:2 <module> -> ... sleep``."""
+        lines = []
+        for ranks, body in self.folded():
+            if body is None:
+                lines.append(f"{ranks_phrase(ranks)}: no answer (exited, or not reachable)")
+                continue
+            frames = next((t["frames"] for t in body["threads"] if t["main"]), [])
+            path = " -> ".join(_short(f) for f in frames) or "idle (waiting for a request)"
+            lines.append(f"{ranks_phrase(ranks)}: {path}")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        out = []
+        for ranks, body in self.folded():
+            out.append(f"--- {ranks_phrase(ranks)} ---")
+            if body is None:
+                out.append("  no answer (exited, or not reachable)")
+                continue
+            for t in body["threads"]:
+                if body.get("all") or not t["main"]:
+                    out.append(f"  thread {t['name']}{' (main)' if t['main'] else ''}:")
+                if not t["frames"]:
+                    out.append("    idle (waiting for a request)")
+                for f in t["frames"]:
+                    out.append(f"    {_place(f)}, in {f[2]}")
+                    if f[3]:
+                        out.append(f"      {f[3]}")
+        return "\n".join(out)
+
+    def __repr__(self) -> str:
+        return f"<Stacks of {ranks_phrase(self.by_rank)}>\n{self}"
+
+    def _repr_pretty_(self, p, cycle) -> None:  # IPython shows the folded stacks
+        p.text(str(self))
+
+
+def _place(frame: tuple) -> str:
+    return f"{frame[0]}:{frame[1]}" if frame[0].startswith("<") else \
+        f"{_shorten(frame[0])}:{frame[1]}"
+
+
+def _shorten(path: str) -> str:
+    """Paths inside site-packages from the package on (``torch/distributed/...``)."""
+    marker = os.sep + "site-packages" + os.sep
+    return path.split(marker, 1)[1] if marker in path else path
+
+
+def _short(frame: tuple) -> str:
+    return f"{os.path.basename(frame[0]) if not frame[0].startswith('<') else frame[0]}:" \
+           f"{frame[1]} {frame[2]}"

@@ -1,0 +1,123 @@
+"""Every rank's stack from the notebook (issue 27): Group.stacks() answers while the ranks are busy
+-- in a background job, in a hung collective, in a blocking call seen from another thread -- because
+each rank's watchdog thread takes it; ranks with the same stack fold together; a timeout's error
+carries the stacks taken before any rank is interrupted or killed. Real groups throughout."""
+import threading
+import time
+
+import pytest
+
+import nbdist
+
+pytestmark = pytest.mark.timeout(120)
+
+SLEEPERS = """
+import time, threading
+def wait_for_data():
+    time.sleep(30)
+def train_step():
+    t = torch.ones(4)
+    dist.all_reduce(t)
+"""
+
+
+def _last(stacks, rank):
+    frames = stacks.frames(rank)
+    return frames[-1][2] if frames else None
+
+
+def test_stacks_of_an_idle_group_fold_into_one_line():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=30) as g:
+        stacks = g.stacks()
+        assert isinstance(stacks, nbdist.Stacks)
+        assert stacks.summary() == "ranks 0, 1: idle (waiting for a request)"
+        assert stacks.frames(0) == [] and set(stacks.by_rank) == {0, 1}
+
+
+def test_a_hung_collective_and_a_stuck_rank_are_seen_while_the_job_runs():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        g.exec(SLEEPERS)
+        job = g.submit_exec("if rank == 1:\n    wait_for_data()\ntrain_step()")
+        try:
+            deadline = time.monotonic() + 20
+            while True:  # until both ranks are inside the job's code
+                stacks = g.stacks()
+                if (_last(stacks, 0), _last(stacks, 1)) == ("all_reduce", "wait_for_data") or \
+                        time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert _last(stacks, 0) == "all_reduce", str(stacks)
+            assert [f[2] for f in stacks.frames(0)][-3:-2] == ["train_step"]
+            assert _last(stacks, 1) == "wait_for_data", str(stacks)
+            summary = stacks.summary().splitlines()
+            assert summary[0].startswith("rank 0: <dist-cell-") and summary[0].endswith(
+                "train_step -> c10d_logger.py:83 wrapper -> distributed_c10d.py:"
+                f"{stacks.frames(0)[-1][1]} all_reduce")
+            assert summary[1].startswith("rank 1: <dist-cell-") and \
+                summary[1].endswith("wait_for_data")
+            text = str(stacks)
+            assert "--- rank 1 ---" in text and "time.sleep(30)" in text  # the source lines
+            assert job.running()  # asking changed nothing
+        finally:
+            job.interrupt()
+            job.wait(30)
+
+
+def test_ranks_in_the_same_place_fold_and_every_thread_is_shown_on_request():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        g.exec(SLEEPERS + "loader = threading.Thread(target=wait_for_data, name='loader', "
+                          "daemon=True)\nloader.start()")
+        job = g.submit_exec("wait_for_data()")
+        try:
+            deadline = time.monotonic() + 20
+            while _last(g.stacks(), 1) != "wait_for_data" and time.monotonic() < deadline:
+                time.sleep(0.2)
+            stacks = g.stacks()
+            (line,) = stacks.summary().splitlines()
+            assert line.startswith("ranks 0, 1: <dist-cell-") and line.endswith("wait_for_data")
+            every = g.stacks(all_threads=True)
+            names = [t["name"] for t in every.by_rank[0]["threads"]]
+            assert names[0] == "MainThread" and "loader" in names
+            assert not [n for n in names if n.startswith("nbdist-")]  # nbdist's own: left out
+            assert "thread loader:" in str(every)
+            assert list(g.stacks(ranks=[1]).by_rank) == [1]
+        finally:
+            job.interrupt()
+            job.wait(30)
+
+
+def test_a_blocking_call_is_seen_from_another_thread():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        g.exec(SLEEPERS)
+        seen = []
+
+        def look():
+            time.sleep(1.0)
+            seen.append(g.stacks(timeout=10))
+
+        looker = threading.Thread(target=look)
+        looker.start()
+        g.exec("time.sleep(3)")  # this thread reads the channels meanwhile
+        looker.join(20)
+        assert seen and seen[0].summary().startswith("ranks 0, 1: <dist-cell-"), seen
+
+
+def test_a_timeout_error_carries_the_stacks_taken_before_the_kill():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        g.exec(SLEEPERS)
+        with pytest.raises(nbdist.DistTimeoutError) as info:
+            g.exec("if rank == 1:\n    wait_for_data()\ntrain_step()", timeout=3)
+        err = info.value
+        assert _last(err.stacks, 0) == "all_reduce" and _last(err.stacks, 1) == "wait_for_data"
+        text = str(err)
+        assert "ranks 0, 1 still running after 3 s;" in text
+        assert "\nWhere they were when the time ran out:\nrank 0: <dist-cell-" in text
+        assert "all_reduce\nrank 1: <dist-cell-" in text and text.endswith("wait_for_data")
+
+
+def test_a_stopped_group_has_no_stacks_to_show():
+    g = nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+    g.stop()
+    with pytest.raises(nbdist.GroupClosedError, match="this group is stopped: it has no running "
+                                                      r"ranks to take stacks from; call restart\(\)"):
+        g.stacks()
