@@ -67,8 +67,11 @@ def test_interrupt_and_timeout_stop_the_ranks_and_keep_the_group(g):
     finally:
         timer.cancel()
     with pytest.raises(nbdist.DistTimeoutError, match="stopped on SIGINT; the group is still "
-                                                      "usable"):
-        g.exec("import time; time.sleep(60)", timeout=2)
+                                                      "usable") as info:
+        g.exec("import time\ndef nap():\n    time.sleep(60)\nnap()", timeout=2)
+    # where the ranks were, taken by their watchdogs before the interrupt (issue 27)
+    assert "Where they were when the time ran out:\nranks 0, 1: <dist-cell-" in str(info.value)
+    assert str(info.value).endswith(" nap")
     assert g.exec("rank") == [0, 1]
 
 
