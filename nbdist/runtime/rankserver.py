@@ -31,7 +31,7 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, ranklog, sealed, stacks, streams
+from . import imports, ranklog, recorder, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -144,6 +144,7 @@ class _Worker:
                                 world_size=cfg["world_size"],
                                 timeout=timedelta(seconds=cfg["timeout"]))
         self._guard_init()
+        recorder.install(dist)  # the rank's last collectives, for the stall analysis
         for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
             module, _, name = hook.partition(":")
             getattr(importlib.import_module(module), name)()

@@ -24,9 +24,11 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ranks_phrase
+from . import recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _SERVING = tuple(os.path.join(_NBDIST, part) + os.sep for part in ("runtime", "wire"))
+_RECORDER = os.path.join(_NBDIST, "runtime", "recorder.py")  # its wrapper: not a frame to show
 _numbers = itertools.count(1)
 
 
@@ -43,11 +45,12 @@ def capture(all_threads: bool) -> Dict[str, Any]:
                 names.get(ident, "").startswith("nbdist-"):  # our own helpers: not yours
             continue
         frames = [(f.filename, f.lineno, f.name, (f.line or "").strip())
-                  for f in traceback.extract_stack(frame)]
+                  for f in traceback.extract_stack(frame) if f.filename != _RECORDER]
         threads.append({"name": names.get(ident, f"thread {ident}"), "main": ident == main,
                         "frames": _user_frames(frames) if ident == main else frames})
     threads.sort(key=lambda t: not t["main"])
-    return {"threads": threads, "time": time.time(), "pid": os.getpid(), "all": all_threads}
+    return {"threads": threads, "time": time.time(), "pid": os.getpid(), "all": all_threads,
+            "collectives": recorder.snapshot()}
 
 
 def _user_frames(frames: List[tuple]) -> List[tuple]:
@@ -196,9 +199,18 @@ class Stacks:
             bodies.setdefault(key, body)
         return [(ranks, bodies[key]) for key, ranks in groups.items()]
 
+    def collectives(self) -> List[str]:
+        """What the ranks' recorded collectives say (:func:`nbdist.runtime.recorder.analyse`):
+        mismatched collectives and ranks that never reached one, in sentences; ``[]`` when no
+        collective is running."""
+        records = {r: (b or {}).get("collectives") if b else None for r, b in self.by_rank.items()}
+        places = {r: _short(self.frames(r)[-1]) for r in self.by_rank if self.frames(r)}
+        return recorder.analyse(records, places)
+
     def summary(self) -> str:
-        """One line per set of ranks: ``ranks 0, 1: <dist-cell-3>:2 <module> -> ... sleep``."""
-        lines = []
+        """The collectives' analysis (if a collective runs), then one line per set of ranks:
+        ``ranks 0, 1: <dist-cell-3>:2 <module> -> ... sleep``."""
+        lines = self.collectives()
         for ranks, body in self.folded():
             if body is None:
                 lines.append(f"{ranks_phrase(ranks)}: no answer (exited, or not reachable)")
@@ -209,7 +221,7 @@ class Stacks:
         return "\n".join(lines)
 
     def __str__(self) -> str:
-        out = []
+        out = self.collectives()
         for ranks, body in self.folded():
             out.append(f"--- {ranks_phrase(ranks)} ---")
             if body is None:

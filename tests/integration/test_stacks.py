@@ -50,6 +50,8 @@ def test_a_hung_collective_and_a_stuck_rank_are_seen_while_the_job_runs():
             assert [f[2] for f in stacks.frames(0)][-3:-2] == ["train_step"]
             assert _last(stacks, 1) == "wait_for_data", str(stacks)
             summary = stacks.summary().splitlines()
+            assert summary.pop(0) == "rank 1 never reached collective #1 (none before it); it " \
+                f"is at {stacks.frames(1)[-1][0]}:{stacks.frames(1)[-1][1]} wait_for_data."
             assert summary[0].startswith("rank 0: <dist-cell-") and summary[0].endswith(
                 "train_step -> c10d_logger.py:83 wrapper -> distributed_c10d.py:"
                 f"{stacks.frames(0)[-1][1]} all_reduce")
@@ -111,8 +113,37 @@ def test_a_timeout_error_carries_the_stacks_taken_before_the_kill():
         assert _last(err.stacks, 0) == "all_reduce" and _last(err.stacks, 1) == "wait_for_data"
         text = str(err)
         assert "ranks 0, 1 still running after 3 s;" in text
-        assert "\nWhere they were when the time ran out:\nrank 0: <dist-cell-" in text
+        # the recorder: rank 1 is not in the collective rank 0 waits in, and says where it is
+        assert "\nWhere they were when the time ran out:\nrank 1 never reached collective #1 " \
+               "(none before it); it is at <dist-cell-" in text
+        assert "wait_for_data.\nrank 0: <dist-cell-" in text
         assert "all_reduce\nrank 1: <dist-cell-" in text and text.endswith("wait_for_data")
+
+
+def test_mismatched_collectives_are_named():
+    """The issue's case: rank 0 in all_reduce(ones(1024)), rank 1 in broadcast(ones(10))."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        g.exec("for _ in range(3):\n    dist.all_reduce(torch.ones(8))")
+        recorded = g.stacks().by_rank[1]["collectives"]
+        assert [e[:5] for e in recorded] == [[i, "all_reduce", "default", (8,), "float32"]
+                                             for i in (1, 2, 3)]
+        assert all(e[6] >= e[5] for e in recorded)  # returned
+        with pytest.raises(nbdist.DistTimeoutError) as info:
+            g.exec("if rank == 0:\n    dist.all_reduce(torch.ones(1024))\nelse:\n"
+                   "    dist.broadcast(torch.ones(10), 0)", timeout=3)
+        assert info.value.stacks.collectives() == [
+            "mismatched collectives: rank 0 is in all_reduce #4 (1024 float32); rank 1 is in "
+            "broadcast #4 (10 float32)."]
+        assert "time ran out:\nmismatched collectives: rank 0 is in all_reduce #4" in \
+            str(info.value)
+
+
+def test_the_recorder_can_be_turned_off():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60,
+                      env={"NBDIST_RECORD": "0"}) as g:
+        g.exec("dist.all_reduce(torch.ones(8))")
+        assert g.stacks().by_rank[0]["collectives"] == []
+        assert g.exec("hasattr(dist.all_reduce, '_nbdist_recorded')") == [False, False]
 
 
 def test_a_stopped_group_has_no_stacks_to_show():

@@ -1,0 +1,45 @@
+"""The stall analysis of the ranks' recorded collectives (nbdist.runtime.recorder.analyse): what it
+says for mismatched collectives, a rank that never reached one, all ranks inside one, and none.
+Records are ``[seq, op, group, shape, dtype, issued, returned]`` as the ranks send them."""
+from nbdist.runtime.recorder import analyse
+
+
+def rec(seq, op="all_reduce", group="default", shape=(1024,), dtype="float32", done=True):
+    return [seq, op, group, shape, dtype, 1.0, 2.0 if done else None]
+
+
+def test_nothing_running_says_nothing():
+    assert analyse({0: [rec(1)], 1: [rec(1)]}, {}) == []
+    assert analyse({0: [], 1: None}, {}) == []
+
+
+def test_mismatched_ops_and_shapes_are_named_by_rank():
+    records = {0: [rec(17), rec(18, done=False)], 1: [rec(17), rec(18, "broadcast", shape=(10,),
+                                                                    done=False)],
+               2: [rec(17), rec(18, done=False)], 3: [rec(17), rec(18, done=False)]}
+    assert analyse(records, {}) == [
+        "mismatched collectives: ranks 0, 2, 3 are in all_reduce #18 (1024 float32); rank 1 is in "
+        "broadcast #18 (10 float32)."]
+
+
+def test_a_rank_that_never_reached_the_collective_is_placed():
+    records = {0: [rec(17), rec(18, done=False)], 1: [rec(17), rec(18, done=False)],
+               2: [rec(17), rec(18, done=False)], 3: [rec(17)]}
+    assert analyse(records, {3: "model.py:88 forward"}) == [
+        "rank 3 never reached collective #18 (its last was #17); it is at model.py:88 forward."]
+
+
+def test_all_ranks_inside_one_collective_blame_the_collective():
+    records = {0: [rec(5, "barrier", shape=None, dtype=None, done=False)],
+               1: [rec(5, "barrier", shape=None, dtype=None, done=False)]}
+    assert analyse(records, {}) == [
+        "ranks 0, 1 are all in barrier #5: the collective itself has not completed (a slow or "
+        "lost peer, or the network)."]
+
+
+def test_subgroups_and_shapes_read_plainly():
+    records = {0: [rec(2, "all_gather_into_tensor", "group 1", (4, 8), "bfloat16", done=False)],
+               1: [rec(1, "all_gather_into_tensor", "group 1", (4, 8), "bfloat16")]}
+    assert analyse(records, {1: "<dist-cell-3>:2 <module>"}) == [
+        "rank 1 never reached collective #2 on group 1 (its last was #1); it is at "
+        "<dist-cell-3>:2 <module>."]
