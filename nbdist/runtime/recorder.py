@@ -25,11 +25,12 @@ from ..errors import ranks_phrase
 
 ENV_VAR = "NBDIST_RECORD"  #: ``0`` turns the recorder off on the ranks
 KEEP = 64  #: collectives kept per rank
-#: the collectives recorded (those torch.distributed has)
+#: the collectives recorded. Not ``isend`` / ``irecv``: ``dist.P2POp`` (pipelines'
+#: ``batch_isend_irecv``) accepts only torch's own functions, by identity.
 OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tensor",
        "all_gather_object", "gather", "gather_object", "scatter", "scatter_object_list",
        "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
-       "broadcast_object_list", "send", "recv", "isend", "irecv", "monitored_barrier")
+       "broadcast_object_list", "send", "recv", "monitored_barrier")
 
 _records: "collections.deque[list]" = collections.deque(maxlen=KEEP)
 _counts: Dict[Any, int] = {}

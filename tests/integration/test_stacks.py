@@ -138,6 +138,16 @@ def test_mismatched_collectives_are_named():
             str(info.value)
 
 
+def test_point_to_point_batches_still_take_dist_isend():
+    """torch's P2POp accepts only its own isend/irecv (pipelines use it): they stay unwrapped."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
+        got = g.exec("peer = 1 - rank\nbuf = torch.zeros(3)\n"
+                     "ops = [dist.P2POp(dist.isend, torch.full((3,), float(rank)), peer),\n"
+                     "       dist.P2POp(dist.irecv, buf, peer)]\n"
+                     "for w in dist.batch_isend_irecv(ops):\n    w.wait()\nbuf.tolist()")
+        assert got == [[1.0] * 3, [0.0] * 3]
+
+
 def test_the_recorder_can_be_turned_off():
     with nbdist.start(2, backend="gloo", device="cpu", timeout=60,
                       env={"NBDIST_RECORD": "0"}) as g:
