@@ -16,6 +16,11 @@ How it decides, line by line, as the output streams in (no line waits more than 
   order. (stdout and stderr reach the kernel separately, so their relative order across a rank's
   two streams is not known and not kept: a rank's ``print`` may arrive before the warning it
   wrote just before it.)
+* torch's own log lines differ per rank only in their header: ``[rank1]:[W1204 10:11:12.345
+  4242 ProcessGroupGloo.cpp:514] ...`` (the rank prefix torch.distributed adds, the date and time,
+  the pid). The rank prefix is dropped (the label names the ranks) and the time and pid are left
+  out when lines are compared, so such a warning from every rank shows once, with its ranks, and
+  one that every step repeats shows once per call (then counted).
 * Indented lines continue the block above them (a warning's source line, a traceback's frames):
   such a line is recognised by its whole block, so ``  warnings.warn(`` under two different warnings
   is two different lines. When a block that was being folded turns out to differ from the one seen
@@ -28,8 +33,14 @@ from __future__ import annotations
 
 import collections
 import itertools
+import re
 from dataclasses import dataclass, field
 from typing import Deque, Dict, Iterable, List, Optional, Tuple
+
+#: torch.distributed's prefix on a rank's log lines
+_RANK_PREFIX = re.compile(r"^\[rank\d+\]:")
+#: a glog-style header (torch's C++ and Python logs): level, date, time, and a pid where given
+_HEADER = re.compile(r"^(\[?[IWEF])\d{4} \d\d:\d\d:\d\d\.\d+(?: +\d+)? ")
 
 WINDOW = 0.2  #: seconds a new line waits for the same line from the other ranks
 MAX_LINES = 20_000  #: distinct lines remembered per call; beyond, new lines show and are forgotten
@@ -150,6 +161,7 @@ class RepeatFolder:
 
     # ---- one line ---------------------------------------------------------------------------
     def _line(self, rank: int, stream: str, line: str, now: float) -> None:
+        line = _RANK_PREFIX.sub("", line, count=1)
         block = self._blocks.setdefault((rank, stream), _Block())
         if line[:1] in (" ", "\t") and block.lines:  # continues the block above
             parent = block.key
@@ -180,7 +192,7 @@ class RepeatFolder:
             block.folded = block.folded or len(block.lines) == 1
 
     def _key(self, parent: Optional[int], stream: str, line: str) -> Optional[int]:
-        ident = (parent, stream, line)
+        ident = (parent, stream, _HEADER.sub(r"\1 ", line, count=1))  # time and pid left out
         key = self._keys.get(ident)
         if key is None:
             if len(self._keys) >= self.max_lines:

@@ -159,3 +159,24 @@ def test_beyond_max_lines_new_lines_show_and_are_not_remembered():
 def test_a_negative_window_is_refused():
     with pytest.raises(ValueError, match="window must be >= 0 seconds, got -1"):
         RepeatFolder(window=-1)
+
+
+def test_torchs_rank_labelled_warnings_fold_across_ranks_and_steps():
+    """Issue 27: torch's log lines differ per rank only in "[rankN]:", the time and the pid."""
+    f = RepeatFolder()
+    w = "ProcessGroupGloo.cpp:514] Warning: the collective is slow (function operator())"
+    f.feed(0, "stderr", f"[rank0]:[W1204 10:11:12.345678 4242 {w}", 0.0)
+    f.feed(1, "stderr", f"[rank1]:[W1204 10:11:12.351234 4243 {w}", 0.01)
+    f.feed(0, "stderr", "W1204 10:11:12.400000 4242 torch/distributed/x.py:7] python-side", 0.02)
+    f.feed(1, "stderr", "W1204 10:11:12.410000 4243 torch/distributed/x.py:7] python-side", 0.03)
+    assert shown(f.due(1.0)) == [
+        ("ranks 0, 1", "stderr", f"[W1204 10:11:12.345678 4242 {w}"),
+        ("ranks 0, 1", "stderr", "W1204 10:11:12.400000 4242 torch/distributed/x.py:7] python-side")]
+    for step in range(5):  # the same warning every step: counted, not shown again
+        for rank in (0, 1):
+            f.feed(rank, "stderr", f"[rank{rank}]:[W1204 10:11:{13 + step}.000001 {4242 + rank} {w}",
+                   1.1 + step)
+    assert f.due(10.0) == []
+    _, summary = f.finish()
+    assert shown(summary)[0] == ("ranks 0, 1: 6 times each", "stderr",
+                                 f"[W1204 10:11:12.345678 4242 {w}")
