@@ -19,7 +19,7 @@ blocking call would -- unless the group was stopped or restarted meanwhile.
 from __future__ import annotations
 
 import contextvars
-from typing import Any, List
+from typing import Any, List, Optional
 
 from ..errors import GroupClosedError, GroupInterrupted, RemoteError
 from ..wire import segments
@@ -71,6 +71,13 @@ class Dispatch:
             if read:
                 self._lock.release()
         return stacks.Stacks({r: got.get(r) for r in targets}, self.world_size)
+
+    def debug(self, command: Optional[str] = None, rank: int = 0) -> str:
+        """Post-mortem pdb on ``rank``: run one pdb ``command`` (``p x``, ``up``, ``l``, ``where``
+        ...) on the traceback of the rank's last failed call, which the rank keeps until its
+        next call; return what pdb printed. ``None`` starts: the exception and the line that
+        raised it. What ``%dist_debug`` runs, one prompt at a time."""
+        return self._call(requests.debug_request(command), [rank], None)[0]
 
     def _begin(self, req: requests.Request, ranks, timeout) -> Call:
         """Under the lock: check, make the call, mark busy (nothing sent yet)."""

@@ -31,7 +31,7 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, ranklog, recorder, sealed, stacks, streams
+from . import imports, postmortem, ranklog, recorder, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -49,6 +49,8 @@ class _Worker:
         self.cells = 0
         self.interrupts = Interrupts(threading.main_thread().ident)
         self.channel: Optional[transport.Channel] = None  # for the watchdog's stacks
+        self.failure: Optional[BaseException] = None  # the last failed request's, until the next
+        self.postmortem: Optional[postmortem.PostMortem] = None
         self.pool = SegmentPool(segments.shm_prefix(cfg["group_id"], f"r{self.rank}")) \
             if cfg["shm"] else None
 
@@ -212,9 +214,17 @@ class _Worker:
                             f"not defined on rank {self.rank}")
         return tuple(self.ns[n] for n in names)
 
+    def do_debug(self, command: Optional[str]) -> str:
+        """One pdb command on the kept failure (:mod:`.postmortem`); what pdb printed."""
+        if self.failure is None:
+            raise LookupError(postmortem.NOTHING_TO_DEBUG.format(rank=self.rank))
+        if self.postmortem is None:
+            self.postmortem = postmortem.PostMortem(self.failure)
+        return self.postmortem.run(command)
+
     def serve(self, channel: transport.Channel) -> None:
         handlers = {"run": self.do_run, "exec": self.do_exec, "push": self.do_push,
-                    "pull": self.do_pull, "ping": lambda payload: None}
+                    "pull": self.do_pull, "ping": lambda payload: None, "debug": self.do_debug}
         while True:
             kind, seq, payload = channel.recv()
             if kind == "stop":
@@ -223,6 +233,8 @@ class _Worker:
                 if self.pool is not None:
                     self.pool.release(payload)
                 continue
+            if kind != "debug":  # the next call: the last failure is forgotten
+                self.failure = self.postmortem = None
             ranklog.begin(self.rank, ranklog.sender(channel, seq))
             try:
                 reply = self._handle(handlers[kind], payload, seq)
@@ -260,6 +272,8 @@ class _Worker:
             except KeyboardInterrupt:
                 continue  # received before the mask: dropped, the call reports the first
         if error is not None:
+            if handler != self.do_debug:
+                self.failure = error  # kept for %dist_debug until the next request
             body = _failure(error, self.rank)
             body["pg_gone"] = not dist.is_initialized()  # the call destroyed it, made no new one
             return transport.encode(("err", seq, body, []))

@@ -67,6 +67,11 @@ def pull_request(names: Sequence[str]) -> Request:
     return Request("pull", tuple(names), f"pull {', '.join(names)}")
 
 
+def debug_request(command: Optional[str]) -> Request:
+    """One pdb command for a rank's kept failure (``None``: start; :mod:`.postmortem`)."""
+    return Request("debug", command, "debug")
+
+
 def is_variable_name(name: Any) -> bool:
     """Whether code can use a variable called ``name``: an identifier that is not a keyword
     (``"for"``, ``"None"``: ``str.isidentifier`` lets those through)."""

@@ -43,7 +43,7 @@ from ...runtime.group import current_group, use_group
 from . import base
 from .base import NbdistMagics, register_magics, usage
 from .core import DistMagics  # registered first: the core magics
-from . import jobs, tools, widgets  # noqa: E402,F401,I001 -- %dist_jobs/_wait, _mem, _bench, _ui
+from . import debug, jobs, tools, widgets  # noqa: E402,F401,I001 -- the other magics
 
 __all__ = ["DistMagics", "NbdistMagics", "current_group", "load_ipython_extension",
            "register_magics", "unload_ipython_extension", "usage", "use_group"]

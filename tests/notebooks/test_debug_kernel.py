@@ -1,0 +1,82 @@
+"""Post-mortem pdb on a rank from a real kernel (issue 27): %dist_debug after a RemoteError reads
+pdb commands from the kernel's stdin -- answered here through jupyter_client, as a notebook's
+input box would -- and runs each on the failing rank, whose frames and variables it shows."""
+import pytest
+
+pytestmark = pytest.mark.timeout(180)
+
+FAIL = """%%dist
+def scale(batch):
+    factor = batch * 2 + 1
+    raise ValueError(f"bad batch {batch}")
+if rank == 1:
+    scale(20)
+"""
+
+
+@pytest.fixture
+def kernel():
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+        yield client
+    finally:
+        client.execute_interactive("%dist_stop", timeout=60)
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+        manager.cleanup_resources()
+
+
+def run(client, code, answers=()):
+    """Run ``code``; answer its input requests with ``answers`` in order. Returns (status,
+    printed text, prompts seen, errors)."""
+    out, prompts, errors, todo = [], [], [], list(answers)
+
+    def on_output(msg):
+        c, kind = msg["content"], msg["msg_type"]
+        if kind == "stream":
+            out.append(c["text"])
+        elif kind == "error":
+            errors.append(f"{c['ename']}: {c['evalue']}")
+
+    def on_stdin(msg):
+        prompts.append(msg["content"]["prompt"])
+        client.input(todo.pop(0) if todo else "q")
+
+    reply = client.execute_interactive(code, output_hook=on_output, stdin_hook=on_stdin,
+                                       allow_stdin=True, timeout=120)
+    return reply["content"]["status"], "".join(out), prompts, errors
+
+
+def test_dist_debug_opens_pdb_on_the_failing_rank(kernel):
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
+    status, _, _, errors = run(kernel, FAIL)
+    assert status == "error" and "ValueError" in errors[0] and "rank 1" in errors[0], errors
+    status, text, prompts, errors = run(kernel, "%dist_debug",
+                                        ["p factor", "p batch", "up", "l", "where", "q"])
+    assert status == "ok", errors
+    assert prompts == ["(Pdb rank 1) "] * 6
+    assert text.startswith("ValueError: bad batch 20\n> <dist-cell-")
+    assert "(3)scale()\n-> raise ValueError(f\"bad batch {batch}\")\n" in text
+    assert "\n41\n20\n" in text  # p factor, p batch: the rank's own variables
+    assert "(5)<module>()\n-> scale(20)" in text  # up
+    assert "  5  ->\t    scale(20)" in text  # l, in the frame above
+    # the failure stays until the rank's next call: a call ends it
+    assert run(kernel, "%%dist\nrank")[0] == "ok"
+    status, text, _, _ = run(kernel, "%dist_debug --rank 1")  # IPython prints a UsageError
+    assert status == "error" and text.startswith(
+        "UsageError: rank 1 has no failure to debug: its last call did not fail on it (a rank "
+        "keeps the traceback of its last failed call until its next call)"), text
+
+
+def test_dist_debug_without_an_error_says_what_it_needs(kernel):
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
+    status, text, _, _ = run(kernel, "%dist_debug")
+    assert status == "error" and text.startswith(
+        "UsageError: there is no RemoteError to debug: %dist_debug opens pdb on the rank that "
+        "raised the last one (run after it, as %debug), or on the rank you name with --rank R")
