@@ -107,7 +107,9 @@ Threading model
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
     (:mod:`.rankserver`; an unanswered interrupt is sent again from ``nbdist-interrupt``,
     :mod:`.worker_signals`), and takes the stacks the notebook asks for, which a short-lived
-    ``nbdist-stacks`` thread sends over the control channel (:mod:`.stacks`; the channel's send
+    ``nbdist-stacks`` thread sends over the control channel; a ``breakpoint()`` in user code
+    makes the main thread itself read pdb commands from the channel (:mod:`.rankpdb`), which the
+    notebook's waiting thread answers from the kernel's stdin (:mod:`.stacks`; the channel's send
     lock keeps its messages whole beside the main thread's replies); where fds 1 and 2 are pipes, one *pump* per stream
     (``nbdist-pump-stdout`` / ``-stderr``) forwards them to the caller (:mod:`nbdist.wire.pump`,
     chosen in :mod:`.streams`).

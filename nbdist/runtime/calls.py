@@ -23,6 +23,7 @@ waited on later.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
@@ -31,7 +32,7 @@ from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteE
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
 from ..wire.relay import ABORT_EXIT_CODE
-from . import stacks
+from . import rankpdb, stacks
 from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
@@ -55,6 +56,10 @@ class Call:
         self.outcome: Optional[str] = None
         self.metrics = Metrics()  #: what the ranks logged with nbdist.log during the call
         self.output: Dict[int, List[str]] = {}  #: per rank, every line printed (repeats too)
+        #: a breakpoint on a rank prompts in the notebook (a blocking call in the main thread);
+        #: else (a background job) pdb is told to continue (:mod:`.rankpdb`)
+        self.interactive = threading.current_thread() is threading.main_thread()
+        self.debugged: set = set()  #: ranks whose pdb prompted in this call
         self._cancelled = False
 
     def add_output(self, rank: int, text: str) -> None:
@@ -121,6 +126,10 @@ class Call:
                 continue
             if status == "stacks":  # asked by Group.stacks() or a timeout (nbdist.runtime.stacks)
                 rs.stacks.post(s, r, body)
+                continue
+            if status == "pdb":  # a breakpoint on the rank waits for a command
+                if s == self.seq:
+                    rankpdb.answer(self, rs, r, body, self.interactive)
                 continue
             if s == self.seq and r in self.pending:
                 self.pending.discard(r)

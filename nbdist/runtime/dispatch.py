@@ -160,6 +160,7 @@ class Dispatch:
             call = None
             try:
                 call = self._begin(req, ranks, timeout)
+                call.interactive = False  # nothing answers a prompt in the background
                 rs = self._rs
                 job = Job(name, call, lambda: self._finish_job(call, rs, req, name))
                 self._send(call)

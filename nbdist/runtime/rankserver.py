@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import _signal
 import ast
+import bdb
 import ctypes
 import importlib
 import linecache
@@ -31,7 +32,7 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, postmortem, ranklog, recorder, sealed, stacks, streams
+from . import imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -147,6 +148,7 @@ class _Worker:
                                 timeout=timedelta(seconds=cfg["timeout"]))
         self._guard_init()
         recorder.install(dist)  # the rank's last collectives, for the stall analysis
+        rankpdb.install(self)  # breakpoint() and pdb.set_trace() prompt in the notebook
         for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
             module, _, name = hook.partition(":")
             getattr(importlib.import_module(module), name)()
@@ -274,7 +276,9 @@ class _Worker:
         if error is not None:
             if handler != self.do_debug:
                 self.failure = error  # kept for %dist_debug until the next request
-            body = _failure(error, self.rank)
+            quit_text = (f"pdb was quit (q) on rank {self.rank}: the call ended there; the rank's "
+                         "variables are kept") if isinstance(error, bdb.BdbQuit) else ""
+            body = _failure(error, self.rank, quit_text)
             body["pg_gone"] = not dist.is_initialized()  # the call destroyed it, made no new one
             return transport.encode(("err", seq, body, []))
         try:

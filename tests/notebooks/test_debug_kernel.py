@@ -80,3 +80,39 @@ def test_dist_debug_without_an_error_says_what_it_needs(kernel):
     assert status == "error" and text.startswith(
         "UsageError: there is no RemoteError to debug: %dist_debug opens pdb on the rank that "
         "raised the last one (run after it, as %debug), or on the rank you name with --rank R")
+
+
+BREAK = """%%dist
+x = 41
+if rank == 1:
+    breakpoint()
+y = x + 1
+t = torch.ones(1)
+dist.all_reduce(t)
+print("done", y, t.item())
+"""
+
+
+def test_a_breakpoint_on_a_rank_prompts_in_the_cell(kernel):
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2 --timeout 60")[0] == "ok"
+    status, text, prompts, errors = run(kernel, BREAK, ["p x", "n", "p y", "c"])
+    assert status == "ok", (text, errors)
+    assert prompts == ["(Pdb rank 1) "] * 4
+    assert text.startswith("nbdist: rank 1 stopped at a breakpoint; this call's timeout is "
+                           "suspended while pdb is open (c continues, q ends the call).\n")
+    assert "(4)<module>()\n-> y = x + 1\n41\n" in text and "\n42\n" in text
+    assert "done 42 2.0" in text  # rank 0 waited in the all_reduce, then both finished
+    # torch's own entry point, and q
+    status, text, prompts, errors = run(kernel, "%%dist\ndist.breakpoint(rank=0)\nz = 1", ["q"])
+    assert prompts == ["(Pdb rank 0) "] and status == "error", (text, errors)
+    assert any("pdb was quit (q) on rank 0: the call ended there" in e for e in errors), errors
+
+
+def test_a_breakpoint_in_a_background_job_does_not_stop_it(kernel):
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
+    status, text, prompts, errors = run(
+        kernel, "%%dist --bg bp\nbreakpoint()\nrank * 10")
+    assert status == "ok" and prompts == [], (text, errors, prompts)
+    status, text, prompts, errors = run(kernel, "%dist_wait bp\nprint(bp.output)")
+    assert status == "ok" and prompts == [], (text, errors)
+    assert "rank 1 hit a breakpoint in a background job; it continues" in text, text
