@@ -60,6 +60,9 @@ class Call:
         #: else (a background job) pdb is told to continue (:mod:`.rankpdb`)
         self.interactive = threading.current_thread() is threading.main_thread()
         self.debugged: set = set()  #: ranks whose pdb prompted in this call
+        #: where the ranks were when the call was last seen stalled (``None``: not stalled)
+        self.stalled = None
+        self.stalled_since: Optional[float] = None
         self._cancelled = False
 
     def add_output(self, rank: int, text: str) -> None:
@@ -142,10 +145,11 @@ class Call:
         """Ask the waiting thread to end the call as interrupted (any thread; see ``tick``)."""
         self._cancelled = True
 
-    def wait(self, rs: RankSet, tick: Optional[float] = None) -> str:
+    def wait(self, rs: RankSet, tick: Optional[float] = None, on_tick=None) -> str:
         """Block until the outcome is known; return it (also kept in :attr:`outcome`).
 
-        ``tick``: wake at least this often to notice :meth:`cancel` (background jobs).
+        ``tick``: wake at least this often to notice :meth:`cancel` (background jobs), and call
+        ``on_tick()`` each time (a job's stall watch, :class:`~nbdist.runtime.stacks.StallWatch`).
         """
         if self.outcome is not None:  # interrupted while sending
             return self.outcome
@@ -161,6 +165,8 @@ class Call:
                 if tick is not None:
                     remaining = tick if remaining is None else min(remaining, tick)
                 self.poll(rs, remaining)
+                if on_tick is not None:
+                    on_tick()
         except KeyboardInterrupt:
             self.outcome = INTERRUPTED
             return self.outcome

@@ -190,7 +190,9 @@ class Dispatch:
         try:
             lost = None
             try:
-                call.wait(rs, tick=0.1)  # no lock held: status() and other cells go on
+                stall = self._opts.get("stall")
+                watch = stacks.StallWatch(call, rs, stall) if stall else None
+                call.wait(rs, tick=0.1, on_tick=watch.tick if watch else None)  # no lock held
             except Exception as err:  # noqa: BLE001 -- the ranks shut down under it? see below
                 lost = err
             with self._lock:

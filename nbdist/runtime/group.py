@@ -58,6 +58,10 @@ class Group(Dispatch):
             on a thread of its own (``nbdist-sink``); a call returns once the sink got its lines.
         dedupe_output: show a repeated line once, labelled with its ranks (:attr:`dedupe_output`).
         max_world_size: raise the CPU sanity limit on ``world_size``.
+        stall: seconds without progress (nothing logged or printed, no collective completed)
+            after which a background job shows as "stalled", with the ranks' stacks and their
+            collectives compared (:attr:`Job.stalled <nbdist.Job.stalled>`); ``None``: never.
+            A stall kills nothing.
     """
 
     def __init__(self, world_size: int = 2, backend: Optional[str] = "auto",
@@ -66,7 +70,8 @@ class Group(Dispatch):
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
                  debug: bool = False, grace: float = 0.5, auto_restart: bool = False,
                  output: Optional[Sink] = None, max_world_size: Optional[int] = None,
-                 dedupe_output: bool = True, _launcher: Optional[Launcher] = None):
+                 dedupe_output: bool = True, stall: Optional[float] = 60.0,
+                 _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)
         self._launcher = _launcher or LocalLauncher()
         self._lock = locks.make("group", reentrant=True)  # a call, send to settle; lifecycle
@@ -86,7 +91,7 @@ class Group(Dispatch):
         self._configure(world_size=world_size, backend=backend, device=device, timeout=timeout,
                         call_timeout=call_timeout, init_timeout=init_timeout, threads=threads,
                         env=env, debug=debug, grace=grace, auto_restart=auto_restart,
-                        max_world_size=max_world_size)
+                        max_world_size=max_world_size, stall=stall)
         _live.add(self)
         started_ids.add(self.id)
         self._launch()

@@ -79,10 +79,17 @@ class Job:
         return not self._done.is_set()
 
     @property
+    def stalled(self):
+        """While the job is stalled (nothing logged or printed, no collective completed for the
+        group's ``stall`` seconds): where the ranks were then, a
+        :class:`~nbdist.runtime.stacks.Stacks`; else ``None``. A stall kills nothing."""
+        return self.call.stalled if not self.done() else None
+
+    @property
     def state(self) -> str:
-        """``"running"``, ``"done"``, ``"failed"`` or ``"interrupted"``."""
+        """``"running"``, ``"stalled"``, ``"done"``, ``"failed"`` or ``"interrupted"``."""
         if not self.done():
-            return "running"
+            return "stalled" if self.call.stalled is not None else "running"
         if self._error is None:
             return "done"
         return INTERRUPTED if self.call.outcome == INTERRUPTED else "failed"
@@ -140,8 +147,13 @@ class Job:
         slow = self.metrics.stragglers()
         note = "; ".join(f"straggler: rank {r} (compute {x:.2f}x the median)"
                          for r, x in slow.items())
-        return (f"job {self.name!r}: {self.state}, {self.elapsed:.1f} s"
+        text = (f"job {self.name!r}: {self.state}, {self.elapsed:.1f} s"
                 + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
+        stalled, since = self.call.stalled, self.call.stalled_since
+        if stalled is not None and not self.done() and since is not None:
+            text += (f"; no progress for {time.time() - since:.0f} s (nothing logged or printed, "
+                     f"no collective completed):\n{stalled.summary()}")
+        return text
 
     def __repr__(self) -> str:
         text = f"<nbdist.Job {self.describe()}>"

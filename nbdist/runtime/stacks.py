@@ -151,6 +151,66 @@ def collect(rs, n: int, asked: List[int], timeout: float, read: bool) -> Dict[in
     return rs.stacks.take(n, asked)
 
 
+class StallWatch:
+    """A background job's stall detector, ticked by the job's thread (which reads the ranks'
+    channels). The job is *stalled* when, for ``stall`` seconds, nothing was logged or printed and
+    no rank completed a collective: it then asks the ranks for their stacks (whose recorded
+    collectives tell whether any completed one) and keeps them on the call (``call.stalled``),
+    which the job's status, repr and live view show. A stall kills nothing; progress clears it."""
+
+    def __init__(self, call, rs, stall: float):
+        self.call, self.rs, self.stall = call, rs, stall
+        self._seen = self._activity()
+        self._since = time.monotonic()  # the last progress seen
+        self._asked: Optional[Tuple[int, List[int], float]] = None
+        self._done: Optional[Dict[int, int]] = None  # each rank's collectives, at the last look
+        self._progressed = self._since  # when progress was last seen
+
+    def _activity(self) -> Tuple[int, int]:
+        call = self.call
+        return len(call.metrics), sum(len(lines) for lines in call.output.values())
+
+    def tick(self) -> None:
+        """Look for progress; ask for stacks when there was none for ``stall`` s."""
+        now = time.monotonic()
+        activity = self._activity()
+        if activity != self._seen:
+            self._seen = activity
+            self._progress(now)
+        if self._asked is not None:
+            n, asked, when = self._asked
+            if len(self.rs.stacks.answered(n, asked)) == len(asked) or now - when > 5.0:
+                self._asked = None
+                self._look(self.rs.stacks.take(n, asked), now)
+        elif now - self._since >= self.stall:
+            n, asked = ask(self.rs, sorted(self.call.pending))
+            self._asked = (n, asked, now)
+
+    def _look(self, got: Dict[int, Dict[str, Any]], now: float) -> None:
+        # progress of a rank's collectives: the newest one's number, plus how many returned
+        done = {r: sum(1 for e in body.get("collectives", ()) if e[6] is not None) +
+                max((e[0] for e in body.get("collectives", ())), default=0)
+                for r, body in got.items()}
+        if self._done is None:  # a baseline: look again shortly, to see whether they move
+            self._done = done
+            self._since = now - self.stall + min(2.0, self.stall / 4)
+            return
+        moved = any(done.get(r) != self._done.get(r) for r in done)
+        self._done = done
+        if moved:
+            self._progress(now)
+            return
+        call = self.call
+        call.stalled = Stacks({r: got.get(r) for r in sorted(call.pending)}, len(self.rs.ranks))
+        if call.stalled_since is None:
+            call.stalled_since = time.time() - (now - self._progressed)
+        self._since = now - self.stall / 2  # look again in half the stall time
+
+    def _progress(self, now: float) -> None:
+        self._since = self._progressed = now
+        self.call.stalled = self.call.stalled_since = None
+
+
 #: how long a timed-out call waits for its ranks' stacks before it interrupts them
 AT_TIMEOUT_S = 2.0
 

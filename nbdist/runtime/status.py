@@ -138,8 +138,8 @@ def check_options(opts: Dict) -> None:
         raise TypeError(f"world_size must be an int, got {type(ws).__name__} ({ws!r})")
     if ws < 1:
         raise ValueError(f"world_size must be at least 1, got {ws}")
-    for name in ("timeout", "call_timeout", "init_timeout", "grace"):
-        v = opts[name]
+    for name in ("timeout", "call_timeout", "init_timeout", "grace", "stall"):
+        v = opts.get(name)
         if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v <= 0):
             raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
         if name in TOO_SHORT and v is not None and v < MIN_TIMEOUT:  # checked before a restart

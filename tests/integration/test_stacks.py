@@ -162,3 +162,36 @@ def test_a_stopped_group_has_no_stacks_to_show():
     with pytest.raises(nbdist.GroupClosedError, match="this group is stopped: it has no running "
                                                       r"ranks to take stacks from; call restart\(\)"):
         g.stacks()
+
+
+def test_a_stalled_job_says_where_its_ranks_are_and_nothing_is_killed():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=2) as g:
+        g.exec(SLEEPERS + "def short_wait():\n    time.sleep(8)")
+        pids = g.run(__import__("os").getpid)
+        job = g.submit_exec("if rank == 1:\n    short_wait()\ntrain_step()\nrank")
+        deadline = time.monotonic() + 7
+        while job.state != "stalled" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job.state == "stalled", job.describe()
+        text = job.describe()
+        assert "no progress for" in text and "(nothing logged or printed, no collective " \
+            "completed):\nrank 1 never reached collective #1 (none before it); it is at " \
+            "<dist-cell-" in text, text
+        assert _last(job.stalled, 0) == "all_reduce"
+        assert job.wait(30) and job.result() == [0, 1]  # it went on: a stall kills nothing
+        assert job.stalled is None and g.run(__import__("os").getpid) == pids
+
+
+def test_collectives_completing_are_progress_even_when_nothing_is_printed():
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=1) as g:
+        job = g.submit_exec("import time\nfor i in range(300):\n    dist.all_reduce(torch.ones(4))"
+                            "\n    time.sleep(0.01)")
+        seen = set()
+        while not job.wait(0.1):
+            seen.add(job.state)
+        assert seen == {"running"} and job.state == "done"
+
+
+def test_stall_must_be_a_positive_number_of_seconds():
+    with pytest.raises(ValueError, match=r"stall must be a positive number of seconds, got 0"):
+        nbdist.start(2, backend="gloo", device="cpu", stall=0)
