@@ -151,7 +151,8 @@ class Job:
                 + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
         stalled, since = self.call.stalled, self.call.stalled_since
         if stalled is not None and not self.done() and since is not None:
-            text += (f"; no progress for {time.time() - since:.0f} s (nothing logged or printed, "
+            quiet = min(time.time() - since, self.elapsed)
+            text += (f"; no progress for {quiet:.1f} s (nothing logged or printed, "
                      f"no collective completed):\n{stalled.summary()}")
         return text
 

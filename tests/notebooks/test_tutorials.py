@@ -169,3 +169,18 @@ def test_beyond_data_parallel(tmp_path):
              "image" if "image/png" in o.get("data", {}) else "other" for o in code[10].outputs]
     collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
     assert collapsed == ["text", "image"] * 3, kinds  # each Gantt chart under its bubble line
+
+
+def test_when_a_rank_hangs(tmp_path):
+    """Issue 27's tutorial: the wrong collective, a stuck loader, a NaN, each found from the
+    notebook; the sentences of its text rest on these outputs."""
+    nb, out = run_notebook("11_when_a_rank_hangs.ipynb", tmp_path)
+    text = "\n".join(out)
+    assert "mismatched collectives: rank 0 is in all_reduce #4 (1 float32); rank 1 is in " \
+           "broadcast #4 (1 float32)." in text
+    assert "log_metrics -> c10d_logger.py:83 wrapper -> distributed_c10d.py:" in text
+    assert "rank 1 never reached collective #3 (its last was #2); it is at <dist-cell-" in text
+    assert "in load_batch\n      time.sleep(6)" in text  # the stuck rank's source line
+    assert "\nstalled\njob 'train': stalled," in text and "result: [3, 3] state: done" in text
+    assert "FloatingPointError on ranks [0, 1] : the gradient is not finite at step 1" in text
+    assert "rank 0: False\nrank 1: True" in text
