@@ -27,3 +27,20 @@ def autodist(shell, options=""):
         yield
     finally:
         run(shell, "%autodist")
+
+
+def real_kernel():
+    """A real kernel and its client (channels started, ready): ``(manager, client)``."""
+    from jupyter_client import KernelManager
+
+    manager = KernelManager(kernel_name="python3")
+    manager.start_kernel()
+    client = manager.client()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=60)
+    except BaseException:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)
+        raise
+    return manager, client

@@ -3,6 +3,8 @@ pdb commands from the kernel's stdin -- answered here through jupyter_client, as
 input box would -- and runs each on the failing rank, whose frames and variables it shows."""
 import pytest
 
+from cells import real_kernel  # tests/notebooks, on sys.path
+
 pytestmark = pytest.mark.timeout(180)
 
 FAIL = """%%dist
@@ -16,14 +18,8 @@ if rank == 1:
 
 @pytest.fixture
 def kernel():
-    from jupyter_client import KernelManager
-
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel()
-    client = manager.client()
-    client.start_channels()
+    manager, client = real_kernel()
     try:
-        client.wait_for_ready(timeout=60)
         yield client
     finally:
         client.execute_interactive("%dist_stop", timeout=60)

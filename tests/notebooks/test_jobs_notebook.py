@@ -11,6 +11,8 @@ import psutil
 import pytest
 from nbclient import NotebookClient
 
+from cells import real_kernel  # tests/notebooks, on sys.path
+
 
 def _running(pid):
     try:
@@ -108,23 +110,6 @@ def _gone_within(pids, seconds):
     return alive
 
 
-def _kernel():
-    """A real kernel and its client (channels started, ready)."""
-    from jupyter_client import KernelManager
-
-    manager = KernelManager(kernel_name="python3")
-    manager.start_kernel()
-    client = manager.client()
-    client.start_channels()
-    try:
-        client.wait_for_ready(timeout=60)
-    except BaseException:
-        client.stop_channels()
-        manager.shutdown_kernel(now=True)
-        raise
-    return manager, client
-
-
 def _group_with_a_job(client, train=CELLS["train"]):
     """Start a group and the ``train`` cell (a background job) in the kernel; return the ranks'
     pids."""
@@ -155,7 +140,7 @@ def test_kernel_interrupt_with_a_job_running_stops_the_wait_not_the_job():
     kernel down leaves no process."""
     import threading
 
-    manager, client = _kernel()
+    manager, client = real_kernel()
     try:
         pids = _group_with_a_job(client)
         timer = threading.Timer(3.0, manager.interrupt_kernel)
@@ -186,7 +171,7 @@ def test_kernel_death_with_a_job_running_leaves_no_process():
     import os
     import signal
 
-    manager, client = _kernel()
+    manager, client = real_kernel()
     try:
         pids = _group_with_a_job(client)
         kernel = psutil.Process(manager.provisioner.pid)
@@ -215,7 +200,7 @@ def _restart_with_a_job_running(train, shutdown_wait_time=None):
     does (a shutdown request, then a new kernel): no rank of the old kernel is left, and the new
     kernel loads nbdist, starts a group, runs a cell on it and stops it, leaving nothing either.
     Returns the old kernel's exit code."""
-    manager, client = _kernel()
+    manager, client = real_kernel()
     if shutdown_wait_time is not None:
         manager.shutdown_wait_time = shutdown_wait_time
     new_pids = []
