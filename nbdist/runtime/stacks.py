@@ -191,9 +191,9 @@ class StallWatch:
         done = {r: sum(1 for e in body.get("collectives", ()) if e[6] is not None) +
                 max((e[0] for e in body.get("collectives", ())), default=0)
                 for r, body in got.items()}
-        if self._done is None:  # a baseline: look again shortly, to see whether they move
+        if self._done is None:  # a baseline: look again in half the stall time, to see if they move
             self._done = done
-            self._since = now - self.stall + min(2.0, self.stall / 4)
+            self._since = now - self.stall / 2
             return
         moved = any(done.get(r) != self._done.get(r) for r in done)
         self._done = done

@@ -183,8 +183,10 @@ def test_a_stalled_job_says_where_its_ranks_are_and_nothing_is_killed():
 
 
 def test_collectives_completing_are_progress_even_when_nothing_is_printed():
-    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=1) as g:
-        job = g.submit_exec("import time\nfor i in range(300):\n    dist.all_reduce(torch.ones(4))"
+    """Two looks at the ranks' collectives half the stall time (1.5 s) apart: ~100 all_reduces
+    complete between them, so only a machine frozen for 1.5 s could call this job stalled."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=3) as g:
+        job = g.submit_exec("import time\nfor i in range(600):\n    dist.all_reduce(torch.ones(4))"
                             "\n    time.sleep(0.01)")
         seen = set()
         while not job.wait(0.1):
