@@ -94,12 +94,12 @@ def test_a_blocking_call_is_seen_from_another_thread():
         seen = []
 
         def look():
-            time.sleep(1.0)
+            time.sleep(2.0)  # the ranks are in the cell's sleep by then (it lasts 6 s)
             seen.append(g.stacks(timeout=10))
 
         looker = threading.Thread(target=look)
         looker.start()
-        g.exec("time.sleep(3)")  # this thread reads the channels meanwhile
+        g.exec("time.sleep(6)")  # this thread reads the channels meanwhile
         looker.join(20)
         assert seen and seen[0].summary().startswith("ranks 0, 1: <dist-cell-"), seen
 
