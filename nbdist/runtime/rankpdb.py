@@ -141,6 +141,10 @@ def answer(call, rs, rank: int, body: Dict[str, Any], interactive: bool) -> None
             line = input(f"(Pdb rank {rank}) ")
         except EOFError:
             line = "q"
+        except Exception as err:  # noqa: BLE001 -- a kernel run without stdin (nbclient, voila)
+            print(f"nbdist: rank {rank}'s pdb cannot prompt here ({type(err).__name__}: {err}); "
+                  "it continues.")
+            line = "c"
         if call.deadline is not None:
             call.deadline += time.monotonic() - began
     try:

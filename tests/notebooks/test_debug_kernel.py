@@ -28,7 +28,7 @@ def kernel():
         manager.cleanup_resources()
 
 
-def run(client, code, answers=()):
+def run(client, code, answers=(), stdin=True):
     """Run ``code``; answer its input requests with ``answers`` in order. Returns (status,
     printed text, prompts seen, errors)."""
     out, prompts, errors, todo = [], [], [], list(answers)
@@ -45,7 +45,7 @@ def run(client, code, answers=()):
         client.input(todo.pop(0) if todo else "q")
 
     reply = client.execute_interactive(code, output_hook=on_output, stdin_hook=on_stdin,
-                                       allow_stdin=True, timeout=120)
+                                       allow_stdin=stdin, timeout=120)
     return reply["content"]["status"], "".join(out), prompts, errors
 
 
@@ -112,3 +112,12 @@ def test_a_breakpoint_in_a_background_job_does_not_stop_it(kernel):
     status, text, prompts, errors = run(kernel, "%dist_wait bp\nprint(bp.output)")
     assert status == "ok" and prompts == [], (text, errors)
     assert "rank 1 hit a breakpoint in a background job; it continues" in text, text
+
+
+def test_a_breakpoint_where_the_kernel_has_no_stdin_continues_saying_so(kernel):
+    """nbclient (a docs build) runs cells without stdin: the prompt cannot open, the call goes on."""
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
+    status, text, prompts, errors = run(kernel, "%%dist\nif rank == 1:\n    breakpoint()\nrank",
+                                        stdin=False)
+    assert status == "ok" and prompts == [], (text, errors)
+    assert "nbdist: rank 1's pdb cannot prompt here (StdinNotImplementedError: " in text, text
