@@ -11,12 +11,10 @@ The requests that carry the commands keep the failure (they are not "the next ca
 from __future__ import annotations
 
 import io
-import os
 import pdb
 from typing import Optional
 
-_NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SERVING = tuple(os.path.join(_NBDIST, part) + os.sep for part in ("runtime", "wire"))
+from .stacks import SERVING
 
 #: what ``%dist_debug`` says when the rank has no failure kept
 NOTHING_TO_DEBUG = ("rank {rank} has no failure to debug: its last call did not fail on it (a rank "
@@ -34,7 +32,7 @@ class PostMortem:
         self.pdb.prompt = ""
         tb = exc.__traceback__
         while tb is not None and tb.tb_next is not None and \
-                tb.tb_frame.f_code.co_filename.startswith(_SERVING):
+                tb.tb_frame.f_code.co_filename.startswith(SERVING):
             tb = tb.tb_next
         self.pdb.reset()
         self.pdb.setup(None, tb)

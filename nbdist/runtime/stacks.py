@@ -27,7 +27,9 @@ from ..errors import ranks_phrase
 from . import recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
-_SERVING = tuple(os.path.join(_NBDIST, part) + os.sep for part in ("runtime", "wire"))
+#: where nbdist's own serving loop lives on a rank: frames a user is not shown (here and in
+#: :mod:`.postmortem`)
+SERVING = tuple(os.path.join(_NBDIST, part) + os.sep for part in ("runtime", "wire"))
 _RECORDER = os.path.join(_NBDIST, "runtime", "recorder.py")  # its wrapper: not a frame to show
 _numbers = itertools.count(1)
 
@@ -56,11 +58,11 @@ def capture(all_threads: bool) -> Dict[str, Any]:
 def _user_frames(frames: List[tuple]) -> List[tuple]:
     """The main thread's frames after nbdist's serving loop (and what started the process): the
     code a request runs, or nothing while the rank waits for one."""
-    start = next((i for i, f in enumerate(frames) if f[0].startswith(_SERVING)), None)
+    start = next((i for i, f in enumerate(frames) if f[0].startswith(SERVING)), None)
     if start is None:
         return frames  # not under nbdist's loop
     end = start
-    while end < len(frames) and frames[end][0].startswith(_SERVING):
+    while end < len(frames) and frames[end][0].startswith(SERVING):
         end += 1
     return frames[end:]
 
