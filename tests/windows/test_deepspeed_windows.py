@@ -7,14 +7,13 @@ built from that sdist on Linux. Without DeepSpeed these tests skip, saying so. T
 too, over spawn and pipes, as the smoke set does.
 """
 import importlib.util
-import os
 import sys
 
 import cloudpickle
 import pytest
 import torch
 
-import nbdist
+from wingroup import windows_group  # tests/windows, on sys.path
 
 NO_DEEPSPEED = ("DeepSpeed is not installed: its 0.19.8 sdist does not install on Windows "
                 "(setup.py lists bin/deepspeed.bat, which the sdist lacks); "
@@ -61,19 +60,10 @@ def g():
     pytest.importorskip("pytorch_lightning", reason="the Lightning test needs pytorch_lightning")
     import nbdist.lightning as nl
 
-    old = os.environ.get("NBDIST_STREAMS")
-    os.environ["NBDIST_STREAMS"] = "pipe"  # the Windows default; Linux takes it when told
-    try:
-        with nbdist.start(2, backend="gloo", device="cpu", timeout=120, start_method="spawn",
-                          init_timeout=180) as group:
-            nl.prepare(group)  # before the ranks import Lightning
-            group.exec(SOURCE)
-            yield group
-    finally:
-        if old is None:
-            os.environ.pop("NBDIST_STREAMS", None)
-        else:
-            os.environ["NBDIST_STREAMS"] = old
+    with windows_group(timeout=120) as group:
+        nl.prepare(group)  # before the ranks import Lightning
+        group.exec(SOURCE)
+        yield group
 
 
 def train(name, steps=3):

@@ -20,6 +20,7 @@ import torch
 import nbdist
 from nbdist import bench, memory
 from nbdist.runtime import spares
+from wingroup import windows_group  # tests/windows, on sys.path
 
 pytestmark = pytest.mark.timeout(240)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot import this file
@@ -28,17 +29,8 @@ WINDOWS = sys.platform == "win32"
 
 @pytest.fixture(scope="module")
 def g():
-    old = os.environ.get("NBDIST_STREAMS")
-    os.environ["NBDIST_STREAMS"] = "pipe"  # the Windows default; Linux takes it when told
-    try:
-        with nbdist.start(2, backend="gloo", device="cpu", timeout=60, start_method="spawn",
-                          init_timeout=180) as group:
-            yield group
-    finally:
-        if old is None:
-            os.environ.pop("NBDIST_STREAMS", None)
-        else:
-            os.environ["NBDIST_STREAMS"] = old
+    with windows_group() as group:
+        yield group
 
 
 def test_exec_all_reduce_output_push_pull_and_a_remote_error(g):
