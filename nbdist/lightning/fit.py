@@ -117,7 +117,7 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
         print(f"nbdist: this fit uses process_group_backend={target!r}, the group uses "
               f"{group.backend!r}: the ranks re-form their process group with {target!r} for the "
               f"fit and go back to {group.backend!r} afterwards (per-rank variables are kept).",
-              file=sys.stderr)
+              file=sys.stdout)  # a note, not an error: stderr shows as one in Jupyter
     spec = {"strategy": strategy, "backend": target, "home": group.backend, "custom": custom,
             "device": group.device, "timeout": group.timeout, "weights": weights}
     if not block:

@@ -28,8 +28,10 @@ def set_current(group) -> None:
 
 
 def say_once(note: Optional[str]) -> None:
+    """Print an informational note once per process, on stdout: Jupyter shows stderr in a pink
+    box meant for errors, and a note such as the threads per rank is not one."""
     if note and note not in _notes_said:
         _notes_said.add(note)
-        print(note, file=sys.stderr)
+        print(note, file=sys.stdout)
 
 

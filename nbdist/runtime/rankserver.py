@@ -133,7 +133,7 @@ class _Worker:
             choice = resolve_backend(cfg["backend"], cfg["device"])
             cfg["backend"], cfg["device"] = choice.backend, choice.device
             if choice.note:
-                print(choice.note, file=sys.stderr)
+                print(choice.note, file=sys.stdout)  # a note, not an error
         device = cfg["device"]
         if device == "cuda":
             torch.cuda.set_device(cfg["local_rank"])

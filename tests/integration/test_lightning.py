@@ -164,7 +164,7 @@ def test_fit_with_a_custom_backend_then_back(g, nb, gloowrap, capsys):
                      enable_progress_bar=False)
     assert [r.backend for r in results] == ["gloowrap", "gloowrap"]
     assert results[0].global_step == 8
-    assert "re-form their process group with 'gloowrap'" in capsys.readouterr().err
+    assert "re-form their process group with 'gloowrap'" in capsys.readouterr().out
     assert g.run(lambda: torch.distributed.get_backend()) == ["gloo", "gloo"]
     assert g.run(lambda: torch.distributed.all_reduce(torch.ones(1)) or 1) == [1, 1]
     # A device:backend mapping string is honoured too.

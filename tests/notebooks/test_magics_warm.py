@@ -54,7 +54,7 @@ def test_a_lightning_the_ranks_lack_gives_a_note_not_a_broken_cell(shell, magic_
     monkeypatch.setattr(warm, "AUTO", True)
     result = shell.run_cell("z = 3")
     assert result.success and shell.user_ns["z"] == 3
-    err = capsys.readouterr().err
+    err = capsys.readouterr().out
     assert ("nbdist: could not import Lightning on the ranks ahead of the first fit (RemoteError: "
             in err and "fit() will import it when it runs." in err)
     assert magic_group.run(lambda: 1) == [1, 1]

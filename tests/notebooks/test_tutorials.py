@@ -26,6 +26,10 @@ def run_notebook(name, tmp_path):
     nb = nbformat.read(NOTEBOOKS / name, as_version=4)
     NotebookClient(nb, timeout=240, kernel_name="python3", store_widget_state=True,
                    resources={"metadata": {"path": str(tmp_path)}}).execute()
+    stderr = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+              if o.get("output_type") == "stream" and o.get("name") == "stderr"]
+    assert not [t for t in stderr if "nbdist: torch uses" in t], \
+        "an informational note went to stderr, which Jupyter shows as an error"
     return nb, [_text(c) for c in nb.cells if c.cell_type == "code"]
 
 
