@@ -42,9 +42,9 @@ def styled(plot: Callable) -> Callable:
 
 
 def grid(panels: int, max_columns: int = MAX_COLUMNS) -> Tuple[int, int]:
-    """``(rows, columns)`` for ``panels`` panels: at most ``max_columns`` side by side."""
-    if panels < 1:
-        raise ValueError(f"a figure needs at least one panel, got {panels}")
+    """``(rows, columns)`` for ``panels`` (at least one) panels: at most ``max_columns`` side by
+    side, so six panels make two rows of three, not one row of six."""
+    assert panels >= 1, panels  # the plot functions refuse empty input before they lay it out
     columns = min(panels, max_columns)
     return math.ceil(panels / columns), columns
 
