@@ -46,13 +46,15 @@ def trace(ranks=2, steps=6):
                         for r in range(ranks)])
 
 
-def memory_report(world_size=2, psi=263_168):
+def memory_report(world_size=2, psi=263_168, strategies=None):
     """09's eight strategies on 4 x Linear(256, 256), fp32 Adam: stages 1-3 shard optimizer,
     grads, params; stage 3 keeps gathered params and flat buffers, counted as "other"."""
     stage = {"ddp": 0, "zero1": 1, "fairscale_oss": 1, "deepspeed_zero1": 1, "fsdp_grad_op": 2,
              "fairscale_sharded": 2, "deepspeed_zero2": 2, "fsdp": 3, "deepspeed_zero3": 3}
     out = []
     for name, s in stage.items():
+        if strategies is not None and name not in strategies:
+            continue
         for rank in range(world_size):
             p, g, o = 4 * psi, 4 * psi, 8 * psi
             p, g, o = (p // world_size if s >= 3 else p, g // world_size if s >= 2 else g,
@@ -103,8 +105,9 @@ class LiveJob:
         self.metrics = Metrics()
         for i in range(steps):
             for rank in (0, 1):
-                compute = 0.0025 + (0.0102 if rank == 1 else 0.0)
-                comm = 0.0104 if rank == 0 else 0.0004  # rank 0 waits for rank 1
+                jitter = 1 + 0.15 * math.sin(1.7 * i + rank)  # a shared machine's noise
+                compute = (0.0025 + (0.0102 if rank == 1 else 0.0)) * jitter
+                comm = (0.0104 if rank == 0 else 0.0004) * jitter  # rank 0 waits for rank 1
                 loss = 2.0 * math.exp(-i / 40) + 0.05 * rank
                 self.metrics.add([(rank, i, "step_s", compute + comm, i * 0.013),
                                   (rank, i, "comm_s", comm, i * 0.013),

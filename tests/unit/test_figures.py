@@ -197,6 +197,8 @@ FIGURES = {
     "comparison of world sizes (03)": lambda: sweep_records(world_sizes=(2, 3)).plot("busbw"),
     "trace timeline (03)": lambda: trace().plot(),
     "memory per rank, eight strategies (09)": lambda: memory_report().plot(),
+    "memory per rank, four strategies on 4 ranks (04)": lambda: memory_report(
+        4, strategies=("ddp", "zero1", "fsdp_grad_op", "fsdp")).plot(),
     "estimate curve (04)": lambda: nbdist.memory.estimate_curve(
         "7.5B", ["ddp", "zero1", "fsdp_grad_op", "fsdp"], precision="bf16-mixed").plot(mark=64),
     "estimate with measured points": lambda: nbdist.memory.estimate_curve(
