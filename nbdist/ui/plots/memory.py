@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ...report.units import unit_for
