@@ -10,10 +10,12 @@ from __future__ import annotations
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
 import matplotlib.pyplot as plt
+from matplotlib.layout_engine import ConstrainedLayoutEngine
 from matplotlib.ticker import (FixedLocator, FuncFormatter, LogLocator, NullFormatter,
                                NullLocator)
 
 from ...report.units import format_bytes, format_rate, format_time
+from . import style
 
 _CONFIG = ("backend", "world_size", "device", "dtype")
 _MARKERS = "os^vD<>p*h"
@@ -37,7 +39,7 @@ def _lines(records: Iterable[Dict[str, Any]], value: str):
 
 def _new_axes(ax):
     if ax is None:
-        _, ax = plt.subplots(figsize=(6.4, 4.2))
+        _, ax = style.new_figure(4.0)
     return ax
 
 
@@ -53,6 +55,7 @@ def _size_axis(ax, sizes: Sequence[float]) -> None:
     ax.grid(True, which="major", alpha=0.3)
 
 
+@style.styled
 def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     """Time per op (median over iterations of the slowest rank) against message size, log-log.
 
@@ -75,11 +78,11 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     _size_axis(ax, sizes)
     ax.set_ylabel("time per op (slowest rank, median)")
     ax.set_title("latency")
-    if ax.get_lines():
-        ax.legend(fontsize="small")
+    style.legend_outside(ax)
     return ax
 
 
+@style.styled
 def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
                limit_label: str = "memcpy"):
     """Bus bandwidth (GB/s, nccl-tests' definition) against message size.
@@ -101,38 +104,40 @@ def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title("bus bandwidth")
-    if ax.get_lines():
-        ax.legend(fontsize="small")
+    style.legend_outside(ax)
     return ax
 
 
+@style.styled
 def plot_collectives(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
                      limit_label: str = "memcpy"):
     """Latency and bus bandwidth side by side; return the two Axes.
 
-    ``ax``: two existing Axes to draw into (default: a new figure).
+    ``ax``: two existing Axes to draw into (default: a new figure). In a figure with constrained
+    layout (the default one) a single legend goes under both panels.
     """
     records = list(records)
     if ax is None:
-        _, ax = plt.subplots(1, 2, figsize=(12, 4.2))
+        _, ax = style.new_figure(4.0, 1, 2)
     if len(ax) != 2:
         raise ValueError(f"plot_collectives() draws into two Axes (latency, bandwidth), got "
                          f"{len(ax)}")
     plot_latency(records, ax=ax[0])
     plot_busbw(records, ax=ax[1], limit=limit, limit_label=limit_label)
-    ax[0].figure.tight_layout()
+    if isinstance(ax[0].figure.get_layout_engine(), ConstrainedLayoutEngine):
+        style.legend_below(ax[0].figure, ax)  # each panel keeps its whole width for the data
     return ax
 
 
+@style.styled
 def plot_timeline(trace, ax=None):
     """Per-rank timeline of a :class:`nbdist.bench.Trace`: a bar per collective, coloured by
     op, over a light band for each rank's traced block. Times in ms from the earliest start."""
     events = list(trace.events)
     spans = dict(trace.spans)
     ranks = sorted(set(spans) | {e["rank"] for e in events})
-    new = ax is None
-    if new:
-        _, ax = plt.subplots(figsize=(9, 0.6 * len(ranks) + 1.6))
+    if ax is None:
+        _, ax = style.new_figure(0.6 * len(ranks) + 1.6)
     starts = [b for b, _ in spans.values()] + [e["start"] for e in events]
     t0 = min(starts) if starts else 0.0
     for rank, (begin, end) in spans.items():
@@ -154,8 +159,5 @@ def plot_timeline(trace, ax=None):
     ax.set_ylim(max(ranks, default=0) + 0.7, min(ranks, default=0) - 0.7)
     ax.set_xlabel("time (ms)")
     ax.set_title(f"collectives on {len(ranks)} rank{'s' if len(ranks) != 1 else ''}")
-    if ops:
-        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.0, 1.0))
-    if new:
-        ax.figure.tight_layout()
+    style.legend_outside(ax)
     return ax

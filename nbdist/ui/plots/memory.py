@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from typing import Iterable, Optional
 
-import matplotlib.pyplot as plt
-from matplotlib.ticker import FuncFormatter, NullFormatter
+from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
 from ...report.units import unit_for
+from . import style
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "other": "#8172B3"}
 
 
+@style.styled
 def plot_memory(records: Iterable, ax=None):
     """Stacked bars (params / grads / optimizer / other) per strategy and rank.
 
     ``records``: a :class:`nbdist.memory.MemoryReport` or any iterable of
     :class:`nbdist.memory.MemoryRecord`. The ZeRO estimate of each record is a black dash across its
-    bar; bars are grouped by strategy, one per rank. The unit (KB, MB, GB) follows the data.
+    bar; bars are grouped by strategy, one per rank. The unit (KB, MB, GB) follows the data. The
+    legend sits right of the bars (it covers none); with many strategies, names break after
+    their first ``_``.
     """
     records = list(records)
     if not records:
@@ -25,10 +28,8 @@ def plot_memory(records: Iterable, ax=None):
                          "(from nbdist.memory.measure)")
     unit, unit_name = unit_for(max(r.model_state + r.other for r in records))
     strategies = list(dict.fromkeys(r.strategy for r in records))
-    if ax is None:  # room for each group's bars and for its label
-        width = 1.0 + sum(max(0.5 * sum(r.strategy == s for r in records) + 0.3, 1.5)
-                          for s in strategies)
-        _, ax = plt.subplots(figsize=(max(4.0, width), 4))
+    if ax is None:
+        _, ax = style.new_figure(4.2)
     x, ticks, pos = 0.0, [], []
     marked = labelled = False
     for name in strategies:
@@ -49,19 +50,23 @@ def plot_memory(records: Iterable, ax=None):
             centres.append(x)
             x += 1.0
         pos.append(sum(centres) / len(centres))
-        ticks.append(f"{name}\nranks {group[0].rank}-{group[-1].rank}" if len(group) > 1 else name)
+        # many long names side by side would run into each other: break them after a "_"
+        label = name.replace("_", "_\n", 1) if len(strategies) > 4 else name
+        ticks.append(f"{label}\nranks {group[0].rank}-{group[-1].rank}" if len(group) > 1
+                     else label)
         x += 0.6
     top = max(max(r.model_state + r.other, r.estimate or 0) for r in records) / unit
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(pos)
-    ax.set_xticklabels(ticks, fontsize="small")
+    ax.set_xticklabels(ticks)
     ax.set_ylabel(f"bytes per rank ({unit_name})")
     ws = {r.world_size for r in records}
     ax.set_title(f"memory per rank (world size {', '.join(map(str, sorted(ws)))})")
-    ax.legend(loc="upper right", fontsize="small")
+    style.legend_outside(ax, reverse=True)  # top to bottom, as the segments stack
     return ax
 
 
+@style.styled
 def plot_estimate(curve, ax=None, mark: Optional[int] = None, measured: Optional[Iterable] = None):
     """Per-rank model-state bytes against world size, from an estimate curve.
 
@@ -76,7 +81,7 @@ def plot_estimate(curve, ax=None, mark: Optional[int] = None, measured: Optional
                         f".plot() (got {type(curve).__name__})")
     sizes = list(curve.world_sizes)
     if ax is None:
-        _, ax = plt.subplots(figsize=(6, 4))
+        _, ax = style.new_figure(4.2)
     unit, unit_name = unit_for(max(max(v) for v in curve.totals.values()))
     points = {}
     for r in measured or ():
@@ -90,11 +95,14 @@ def plot_estimate(curve, ax=None, mark: Optional[int] = None, measured: Optional
     if mark is not None:
         ax.axvline(mark, color="gray", linestyle=":", label=f"N = {mark}")
     ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))  # 64, not 2^6
     ax.set_yscale("log")
+    # Ticks at 1, 2 and 5 per decade, so a range inside one decade still has labels.
+    ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("world size N (ranks)")
     ax.set_ylabel(f"params + grads + optimizer per rank ({unit_name})")
     ax.set_title(f"ZeRO estimate, Ψ = {curve.num_params:,}, {curve.precision} {curve.optimizer}")
-    ax.legend(fontsize="small")
+    style.legend_outside(ax)
     return ax

@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import matplotlib.pyplot as plt
 
+from . import style
+
 _GAP = 0.8  # between the grids of the outer dimensions (pp=0, pp=1, ...)
 
 
+@style.styled
 def plot_mesh(layout, ax=None):
     """Ranks as boxes in their grid: rows along the second-to-last dimension, columns along the
     last, one grid per index of the outer dimensions. Boxes of one group along the last
@@ -22,9 +25,13 @@ def plot_mesh(layout, ax=None):
     rows_dim, col_dim = (names[-2] if len(names) > 1 else None), names[-1]
     grids = layout.grid()
     n_rows, n_cols = len(grids[0][1]), len(grids[0][1][0])
-    if ax is None:
-        width = max(3.0, len(grids) * (n_cols + _GAP) * 0.9 + 1.0)
-        _, ax = plt.subplots(figsize=(width, 1.2 + n_rows * 0.75 + 0.25 * len(names)))
+    listing = "\n".join(f"groups along {d}: " + " ".join(str(g) for g in layout.groups(d))
+                        for d in names)
+    if ax is None:  # room for the grids and for the listing under them (9 pt monospace)
+        chars = max(len(line) for line in listing.split("\n"))
+        width = max(3.0, len(grids) * (n_cols + _GAP) * 0.9 + 1.0, chars * 0.078 + 0.6)
+        _, ax = style.new_figure(1.3 + n_rows * 0.75 + 0.25 * len(names),
+                                 width=min(width, style.WIDTH))
     colours = plt.get_cmap("tab10")
     inner = {r: i for i, g in enumerate(layout.groups(col_dim)) for r in g}
     for g_index, (fixed, rows) in enumerate(grids):
@@ -46,8 +53,6 @@ def plot_mesh(layout, ax=None):
         for r in range(n_rows):
             ax.text(-0.1, n_rows - 1 - r + 0.5, f"{rows_dim}={r}", ha="right", va="center",
                     fontsize=9)
-    listing = "\n".join(f"groups along {d}: " + " ".join(str(g) for g in layout.groups(d))
-                        for d in names)
     ax.text(0, -0.15, listing, ha="left", va="top", fontsize=9, family="monospace")
     ax.set_xlim(-1.0 if rows_dim else -0.2, len(grids) * (n_cols + _GAP) - _GAP + 0.2)
     ax.set_ylim(-0.3 - 0.3 * len(names), n_rows + (0.9 if grids[0][0] else 0.5))

@@ -164,4 +164,6 @@ class BenchPanel(Panel):
             return
         self._table.value = ("<div style='max-height:16em;overflow:auto;font-size:smaller'>"
                              + records._repr_html_() + "</div>")
-        self._figure.value = figure_png(lambda axes: records.plot(ax=axes), (11, 3.6), ncols=2)
+        from ..plots.style import WIDTH
+
+        self._figure.value = figure_png(lambda axes: records.plot(ax=axes), (WIDTH, 4.0), ncols=2)

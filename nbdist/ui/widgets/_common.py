@@ -173,10 +173,11 @@ def reasons_html(reasons: List[str], what: str = "backends") -> str:
 
 def figure_png(draw: Callable, figsize: Tuple[float, float], ncols: int = 1) -> bytes:
     """Draw with ``draw(ax)`` on a new figure (outside pyplot: nothing is shown twice by the
-    inline backend) and return it as PNG bytes."""
+    inline backend; constrained layout, as :mod:`nbdist.ui.plots.style` makes them) and return it
+    as PNG bytes."""
     from matplotlib.figure import Figure
 
-    fig = Figure(figsize=figsize, dpi=90)
+    fig = Figure(figsize=figsize, dpi=90, layout="constrained")
     axes = fig.subplots(1, ncols)
     draw(axes)
     buf = io.BytesIO()

@@ -184,8 +184,9 @@ class MemoryPanel(Panel):
         if not report:
             self._bars.value, self._report_table.value = b"", ""
             return
-        self._bars.value = figure_png(lambda ax: report.plot(ax=ax),
-                                      (max(5.0, 0.45 * len(report) + 2.5), 3.8))
+        from ..plots.style import WIDTH
+
+        self._bars.value = figure_png(lambda ax: report.plot(ax=ax), (WIDTH, 4.0))
         self._report_table.value = _html(report._repr_html_())
         self._draw_estimate()
 
@@ -195,6 +196,8 @@ class MemoryPanel(Panel):
             self._draw_estimate()
 
     def _draw_estimate(self) -> None:
+        from ..plots.style import WIDTH
+
         args = (self.num_params, self.world_size, self.strategies, self.precision, self.optimizer)
         table = _html(memory.estimate_table(*args)._repr_html_())  # first: it raises on bad input
         self._estimate_figure.value = figure_png(
@@ -202,7 +205,7 @@ class MemoryPanel(Panel):
                                              precision=self.precision, optimizer=self.optimizer
                                              ).plot(ax=ax, mark=self.world_size,
                                                     measured=self.report),
-            (5.5, 3.6))
+            (WIDTH, 3.8))
         self._estimate_table.value = table  # after the figure: the table showing N means both do
 
 

@@ -17,6 +17,7 @@ from ...parallel import DIMS, MeshLayout, factorizations
 from ...parallel.layout import _positive
 from ...runtime.group import current_group
 from ..plots.mesh import plot_mesh
+from ..plots.style import WIDTH
 from ._common import Panel, figure_png, image
 
 _OUT = "-"  # the dropdowns' value for a dimension left out of the mesh (the trait's None)
@@ -188,7 +189,8 @@ class MeshPanel(Panel):
         scale = max(1.0, len(f"{col_dim}={drawn.sizes[col_dim] - 1}") / 7)
         width = max(3.0, grids * (cols + 0.8) * 0.9 * scale + 1.0)
         height = (1.2 + rows * 0.75) * scale + 0.25 * len(drawn.sizes)
-        self.figure.value = figure_png(lambda ax: plot_mesh(drawn, ax=ax), (width, height))
+        self.figure.value = figure_png(lambda ax: plot_mesh(drawn, ax=ax),
+                                       (min(width, WIDTH), height))
 
     def _show_layouts(self) -> None:
         hsdp = self.dp_replicate is not None or self.dp_shard is not None
