@@ -80,22 +80,37 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     return ax
 
 
+_ON_SCALE = 1.5  #: a limit up to this many times the highest point is drawn as a line
+
+
 def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
                limit_label: str = "memcpy"):
-    """Bus bandwidth (GB/s, nccl-tests' definition) against message size.
+    """Bus bandwidth (GB/s, nccl-tests' definition; from the median time) against message size.
 
-    ``limit`` (GB/s) draws a horizontal line, e.g. the machine's memcpy bandwidth from
-    :func:`nbdist.bench.memcpy_bandwidth`, labelled ``limit_label`` and its value.
+    ``limit`` (GB/s), e.g. the machine's memcpy bandwidth from
+    :func:`nbdist.bench.memcpy_bandwidth`, adds a right-hand axis in percent of it, and a
+    dotted line at it when it is near the data. A limit far above every point is not drawn
+    (it would squeeze the curves into the bottom of the plot); its legend entry gives the value
+    and says it is off the scale.
     """
     ax = _new_axes(ax)
-    sizes = []
+    sizes: List[float] = []
+    top = 0.0
     for label, points, i in _lines(records, "busbw_GBps"):
         xs, ys = zip(*points)
         sizes += xs
+        top = max(top, *ys)
         ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
     if limit is not None:
-        ax.axhline(limit, linestyle=":", color="black",
-                   label=f"{limit_label} ({format_rate(limit)})")
+        text = f"{limit_label} ({format_rate(limit)})"
+        if top and limit > _ON_SCALE * top:
+            ax.plot([], [], linestyle=":", color="black", label=f"{text}: above the plot")
+            ax.set_ylim(0, top * 1.1)
+        else:
+            ax.axhline(limit, linestyle=":", color="black", label=text)
+        ax.secondary_yaxis("right", functions=(lambda v: v / limit * 100,
+                                               lambda p: p * limit / 100)
+                           ).set_ylabel(f"% of {limit_label}")
     _size_axis(ax, sizes)
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
