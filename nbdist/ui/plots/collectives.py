@@ -20,19 +20,34 @@ _MARKERS = "os^vD<>p*h"
 
 
 def _lines(records: Iterable[Dict[str, Any]], value: str):
-    """Group ok records into lines: [(label, [(bytes, value)...], style index)]."""
+    """Group ok records into lines: [(label, [(bytes, value, noisy)...], style index)]."""
     rows = [r for r in records if r.get("status") == "ok" and r.get(value) is not None]
     varying = [k for k in _CONFIG if len({r.get(k) for r in rows}) > 1]
     lines: Dict[Tuple, List[Tuple[float, float]]] = {}
     for r in rows:
         key = (r["op"],) + tuple(r.get(k) for k in varying)
-        lines.setdefault(key, []).append((r["bytes"], r[value]))
+        lines.setdefault(key, []).append((r["bytes"], r[value], bool(r.get("noisy"))))
     out = []
     for i, (key, points) in enumerate(lines.items()):
         parts = [key[0]] + [f"{k.replace('world_size', 'n')}={v}" if k == "world_size" else str(v)
                             for k, v in zip(varying, key[1:])]
         out.append((" ".join(parts), sorted(points), i))
     return out
+
+
+def _draw(ax, points, i: int, label: str) -> List[float]:
+    """One line; its noisy points (p90 > 2 x p10) ringed. Returns its sizes."""
+    xs, ys, _ = zip(*points)
+    ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+    rings = [(x, y) for x, y, bad in points if bad]
+    if rings:
+        seen = any(c.get_label() == _NOISY for c in ax.collections)
+        ax.scatter(*zip(*rings), s=70, facecolors="none", edgecolors="red", linewidths=1,
+                   zorder=3, label=None if seen else _NOISY)
+    return list(xs)
+
+
+_NOISY = "noisy (p90 > 2× p10)"
 
 
 def _new_axes(ax):
@@ -56,15 +71,14 @@ def _size_axis(ax, sizes: Sequence[float]) -> None:
 def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     """Time per op (median over iterations of the slowest rank) against message size, log-log.
 
-    Barriers, which carry no data, are dashed horizontal lines.
+    Barriers, which carry no data, are dashed horizontal lines. Noisy points (the record's
+    ``noisy``: p90 > 2x p10) are ringed in red, here and in :func:`plot_busbw`.
     """
     records = list(records)
     ax = _new_axes(ax)
     sizes = []
     for label, points, i in _lines((r for r in records if r["op"] != "barrier"), "time_s"):
-        xs, ys = zip(*points)
-        sizes += xs
-        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+        sizes += _draw(ax, points, i, label)
     for label, points, _ in _lines((r for r in records if r["op"] == "barrier"), "time_s"):
         ax.axhline(points[0][1], linestyle="--", color="gray", label=label)
     ax.set_yscale("log")
@@ -97,10 +111,8 @@ def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float
     sizes: List[float] = []
     top = 0.0
     for label, points, i in _lines(records, "busbw_GBps"):
-        xs, ys = zip(*points)
-        sizes += xs
-        top = max(top, *ys)
-        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+        sizes += _draw(ax, points, i, label)
+        top = max(top, *(y for _, y, _ in points))
     if limit is not None:
         text = f"{limit_label} ({format_rate(limit)})"
         if top and limit > _ON_SCALE * top:
