@@ -152,12 +152,13 @@ def fidelity(g, cfg, raw):
 
 def limit(g, cfg, raw, figures):
     ways = [bench.memcpy_bandwidth(g, each=True) for _ in range(5)]
-    memcpy = [max(w.values()) for w in ways]
+    memcpy = [max(w.values()) for w in ways]  # per call: the fastest way
     records = bench.collectives(g, sizes="4K-64M", iters=cfg["sweep_iters"],
                                 warmup=cfg["warmup"], progress=True)
     raw["memcpy_GBps"], raw["memcpy_ways_GBps"], raw["sweep"] = memcpy, ways, list(records)
-    mc = statistics.median(memcpy)
-    each = ", ".join(f"{k} {format_rate(statistics.median(w[k] for w in ways))}" for k in ways[0])
+    medians = {k: statistics.median(w[k] for w in ways) for k in ways[0]}
+    mc = max(medians.values())  # the fastest way, by its median over the calls
+    each = ", ".join(f"{k} {format_rate(v)}" for k, v in medians.items())
     print(f"\nmemcpy, one core (rank 0, median of 5): {each}; the limit, the fastest: "
           f"{format_rate(mc)}")
     print(f"{'op':15s} {'best busbw':>11s} {'at':>8s} {'of memcpy':>10s}")

@@ -129,7 +129,8 @@ def run_world(n, rounds, points, raw):
                    "seconds": samples}
     print("memcpy, one core, each way (median of 4): " + ", ".join(
         f"{k} {format_rate(statistics.median(w[k] for w in ways))}" for k in ways[0]))
-    return report(n, points, samples, statistics.median(memcpy), threads)
+    fastest = max(statistics.median(w[k] for w in ways) for k in ways[0])  # by its median
+    return report(n, points, samples, fastest, threads)
 
 
 def report(n, points, samples, memcpy, threads):

@@ -215,9 +215,10 @@ class Records(Table):
         """Draw the records with matplotlib; return the Axes (two for ``kind="both"``).
 
         ``kind``: ``"both"`` (latency and bus bandwidth side by side), ``"latency"`` or
-        ``"busbw"``. ``limit`` (GB/s) adds a horizontal line to the bandwidth plot, e.g.
-        :func:`nbdist.bench.memcpy_bandwidth`. ``ax``: existing Axes to draw into (two for
-        ``"both"``).
+        ``"busbw"``. ``limit`` (GB/s), e.g. :func:`nbdist.bench.memcpy_bandwidth`, adds a
+        right-hand axis in percent of it to the bandwidth plot, and a line at it when it is near
+        the curves (see :func:`nbdist.ui.plots.collectives.plot_busbw`). Noisy points are ringed.
+        ``ax``: existing Axes to draw into (two for ``"both"``).
         """
         from ..ui.plots import collectives as plots
 

@@ -123,8 +123,8 @@ class BenchMagics(NbdistMagics):
     @argument("--no-plot", action="store_true", help="table only")
     def dist_bench(self, line: str = ""):
         """Measure latency, algbw and busbw (nccl-tests' definitions) of collectives on the
-        current group; show the table and, inline, latency and bus bandwidth against size with
-        this machine's single-core memcpy bandwidth as the limit line."""
+        current group; show the table and, inline, latency and bus bandwidth against size held
+        against this machine's single-core memcpy bandwidth (the fastest of three copies)."""
         from ... import bench
 
         args = self.parse(self.dist_bench, line)

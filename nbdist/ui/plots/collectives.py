@@ -50,6 +50,13 @@ def _draw(ax, points, i: int, label: str) -> List[float]:
 _NOISY = "noisy (p90 > 2× p10)"
 
 
+def _legend(ax) -> None:
+    """The legend, with the noisy-point ring last (after every line it may mark)."""
+    handles, labels = ax.get_legend_handles_labels()
+    order = sorted(range(len(labels)), key=lambda k: labels[k] == _NOISY)
+    ax.legend([handles[k] for k in order], [labels[k] for k in order], fontsize="small")
+
+
 def _new_axes(ax):
     if ax is None:
         _, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -90,7 +97,7 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     ax.set_ylabel("time per op (slowest rank, median)")
     ax.set_title("latency")
     if ax.get_lines():
-        ax.legend(fontsize="small")
+        _legend(ax)
     return ax
 
 
@@ -129,7 +136,7 @@ def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title("bus bandwidth")
     if ax.get_lines():
-        ax.legend(fontsize="small")
+        _legend(ax)
     return ax
 
 
