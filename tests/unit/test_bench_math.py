@@ -116,6 +116,14 @@ def test_memcpy_limit_is_the_fastest_copy(monkeypatch):
     assert bench.memcpy_bandwidth() == 10.1
 
 
+@pytest.mark.timeout(10)
+def test_memcpy_without_numpy_times_the_other_two(monkeypatch):
+    from nbdist.bench import ops
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # torch runs without numpy
+    assert set(ops.memcpy_all(1 << 16, 1)) == {"memmove", "torch copy_"}
+
+
 # ---- sizes and ops ------------------------------------------------------------------------
 @pytest.mark.timeout(10)
 def test_parse_sizes():
