@@ -7,7 +7,9 @@
 Per-call latency of ``g.run(lambda: None)`` and ``g.exec("1")`` on a warm group (world sizes 2 and
 4, gloo on CPU), against ipyparallel ``DirectView.apply_sync(lambda: 1)`` on a running cluster of
 the same size, and against the lower bound: a pool of forked workers fed through
-``multiprocessing.Pipe`` with cloudpickle (written below). The methods are timed in blocks of calls,
+``multiprocessing.Pipe`` with cloudpickle (written below), and the bare round trip through the
+same pipes (an empty message and reply, nothing pickled or run); the ratios to the bound use the
+faster of the two. The methods are timed in blocks of calls,
 interleaved round by round (the first method rotates) so that machine noise hits all of them alike.
 
 Raw samples (seconds) and summaries go to the JSON file; a compact table is printed at the end.
@@ -64,6 +66,9 @@ class PipePool:
                 data = conn.recv_bytes()
             except (EOFError, OSError):
                 return
+            if not data:  # a ping: the bare round trip, nothing to unpickle or run
+                conn.send_bytes(b"")
+                continue
             fn = loads(data)
             if fn is None:
                 return
@@ -74,6 +79,12 @@ class PipePool:
         for c in self.conns:
             c.send_bytes(data)
         return [self.cloudpickle.loads(c.recv_bytes()) for c in self.conns]
+
+    def ping(self):
+        """An empty message to every worker and its empty reply: what the pipes alone cost."""
+        for c in self.conns:
+            c.send_bytes(b"")
+        return [c.recv_bytes() for c in self.conns]
 
     def close(self):
         for c in self.conns:
@@ -193,7 +204,8 @@ def run(cfg, sizes, res, log):
     pools = {n: PipePool(n) for n in sizes}  # forked now: this process has no extra threads yet
     try:
         for n in sizes:
-            raw = {"nbdist_run": [], "nbdist_exec": [], "pipe_pool": [], "ipyparallel": []}
+            raw = {"nbdist_run": [], "nbdist_exec": [], "pipe_pool": [], "pipe_ping": [],
+                   "ipyparallel": []}
             g = nbdist.start(world_size=n)
             ipp = None
             try:
@@ -210,10 +222,11 @@ def run(cfg, sizes, res, log):
                         sweep()
                 pool = pools[n]
                 assert g.run(noop) == [None] * n and g.exec("1") == [1] * n
-                assert pool.run(noop) == [None] * n
+                assert pool.run(noop) == [None] * n and pool.ping() == [b""] * n
                 methods = [("nbdist_run", lambda: g.run(noop), cfg["dispatch_block"]),
                            ("nbdist_exec", lambda: g.exec("1"), cfg["dispatch_block"]),
-                           ("pipe_pool", lambda: pool.run(noop), cfg["dispatch_block"])]
+                           ("pipe_pool", lambda: pool.run(noop), cfg["dispatch_block"]),
+                           ("pipe_ping", pool.ping, cfg["dispatch_block"])]
                 if ipp is not None:
                     methods.append(("ipyparallel", ipp.apply, cfg["ipp_block"]))
                 for name, fn, _ in methods:  # warm-up
@@ -248,10 +261,16 @@ def run(cfg, sizes, res, log):
 def ratios(res):
     out = {}
     for n, s in res.get("dispatch", {}).get("summary", {}).items():
+        # The bound is the fastest way measured to reach every worker and hear back: the pool's
+        # call, or the bare round trip through its pipes (ping), whichever was faster.
+        bounds = {k: s[k] for k in ("pipe_pool", "pipe_ping") if s.get(k, {}).get("n")}
+        fastest = min(bounds, key=lambda k: bounds[k]["median"])
         out[f"dispatch_n{n}"] = {
             "ipyparallel / nbdist_run": ratio(s.get("ipyparallel"), s["nbdist_run"]),
+            "bound": fastest,
+            "nbdist_run / bound": ratio(s["nbdist_run"], bounds[fastest]),
+            "nbdist_exec / bound": ratio(s["nbdist_exec"], bounds[fastest]),
             "nbdist_run / pipe_pool": ratio(s["nbdist_run"], s["pipe_pool"]),
-            "nbdist_exec / pipe_pool": ratio(s["nbdist_exec"], s["pipe_pool"]),
         }
     return out
 
@@ -266,6 +285,7 @@ def print_table(res):
         for k, label in (("nbdist_run", "nbdist g.run(lambda: None)"),
                          ("nbdist_exec", "nbdist g.exec('1')"),
                          ("pipe_pool", "fork + Pipe + cloudpickle pool"),
+                         ("pipe_ping", "the same pipes, an empty message and reply"),
                          ("ipyparallel", "ipyparallel apply_sync(lambda: 1)")):
             if s.get(k, {}).get("n"):
                 print(f"   {label:<44} {fmt_summary(s[k])}")

@@ -339,7 +339,8 @@ def print_table(res, modules, title):
             print(f"   skipped: {', '.join(res[m.NAME]['skipped'])}")
     print("\n-- ratios (medians)")
     for sec, r in res.get("ratios", {}).items():
-        items = ", ".join(f"{k} = {v:.3g}" for k, v in r.items() if v is not None)
+        items = ", ".join(f"{k} = {v:.3g}" if isinstance(v, (int, float)) else f"{k} = {v}"
+                          for k, v in r.items() if v is not None)
         print(f" {sec}: {items}")
     if res.get("leftover_processes"):
         print(f"\n!! leftover processes killed at the end: {res['leftover_processes']}")

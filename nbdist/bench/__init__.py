@@ -26,7 +26,7 @@ IPython; plots are drawn by :mod:`nbdist.ui.plots.collectives` when asked for.
 """
 from .command import cli
 from .expected import expected_traffic
-from .records import FIELDS, Records, Table
+from .records import FIELDS, NOISY_SPREAD, Records, Table
 from .sweep import DEFAULT_SIZES, collectives, compare, memcpy_bandwidth, summarize
 from .steps import step
 from .trace import Summary, Trace, trace
@@ -37,6 +37,7 @@ from .units import (OPS, bandwidths, bus_factor, format_bytes, format_rate, form
 __all__ = sorted([
     "DEFAULT_SIZES",
     "FIELDS",
+    "NOISY_SPREAD",
     "OPS",
     "Records",
     "Summary",

@@ -1,7 +1,7 @@
 """``python -m nbdist bench``: a collective sweep from a terminal, printed as a table.
 
     python -m nbdist bench --world-size 4 --backend gloo --ops all_reduce,all_gather \\
-        --sizes 4K-64M --iters 20 --out results.json --plot bench.png
+        --sizes 4K-64M --iters 50 --out results.json --plot bench.png
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--sizes", default=DEFAULT_SIZES,
                    help=f"e.g. 4K-64M (powers of two), 4K-64M:4, 1K,1M (default {DEFAULT_SIZES})")
     p.add_argument("--dtype", default="float32", help="element type (default float32)")
-    p.add_argument("--iters", type=int, default=20, help="measured iterations per point")
-    p.add_argument("--warmup", type=int, default=5, help="warm-up iterations per point")
+    p.add_argument("--iters", type=int, default=50, help="measured iterations per point (50)")
+    p.add_argument("--warmup", type=int, default=10, help="warm-up iterations per point (10)")
     p.add_argument("--timeout", type=float, default=None, help="seconds allowed per point")
     p.add_argument("--out", default=None, help="write the records to FILE.json or FILE.csv")
     p.add_argument("--plot", default=None, help="draw latency and bus bandwidth to FILE.png")

@@ -196,17 +196,39 @@ def measure(op: str, nbytes: int, dtype: str, iters: int, warmup: int,
     return out
 
 
-def memcpy(nbytes: int, repeats: int) -> float:
-    """Single-core memory copy bandwidth in GB/s: ``memmove`` of ``nbytes``, median of
-    ``repeats`` after one untimed copy (which also faults the pages in)."""
+COPIES = ("memmove", "torch copy_", "numpy.copyto")
+"""The ways :func:`memcpy_all` copies a buffer: libc's ``memmove`` (through ctypes), torch's
+``Tensor.copy_`` and ``numpy.copyto``. Which is fastest depends on the machine and its libraries."""
+
+
+def memcpy_all(nbytes: int, repeats: int) -> Dict[str, float]:
+    """Copy bandwidth in GB/s of each way in :data:`COPIES`, on one thread: a copy of ``nbytes``
+    into a buffer that already exists, median of ``repeats`` after one untimed copy (which also
+    faults the pages in). The ways take turns within each repeat, so that load hits them alike.
+    Without numpy (torch does not require it) the numpy way is left out."""
     src = torch.ones(nbytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
-    ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes)
-        times.append(time.perf_counter() - start)
-    times.sort()
-    return nbytes / times[len(times) // 2] / 1e9
+    ways = {"memmove": lambda: ctypes.memmove(dst.data_ptr(), src.data_ptr(), nbytes),
+            "torch copy_": lambda: dst.copy_(src)}
+    try:
+        import numpy as np
+    except ImportError:
+        np = None
+    if np is not None:
+        nsrc, ndst = src.numpy(), dst.numpy()
+        ways["numpy.copyto"] = lambda: np.copyto(ndst, nsrc)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        times: Dict[str, List[float]] = {k: [] for k in ways}
+        for copy in ways.values():
+            copy()
+        for _ in range(repeats):
+            for name, copy in ways.items():
+                start = time.perf_counter()
+                copy()
+                times[name].append(time.perf_counter() - start)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: nbytes / sorted(v)[len(v) // 2] / 1e9 for k, v in times.items()}
 

@@ -15,6 +15,9 @@ from typing import Any, Dict, Iterable, List, Optional, Union
 
 from ..report.table import Column, TableView
 
+NOISY_SPREAD = 2.0
+"""A record is flagged ``noisy`` when its p90 time exceeds this many times its p10 time."""
+
 FIELDS = {
     "op": "the operation (see nbdist.bench.OPS)",
     "bytes": "message size in bytes (nccl-tests' size: the largest buffer of the op)",
@@ -26,12 +29,15 @@ FIELDS = {
     "iters": "measured iterations (after warm-up)",
     "warmup": "warm-up iterations, not measured",
     "time_s": "median over iterations of the slowest rank's time, in seconds",
-    "mean_s": "slowest rank's mean time per iteration (its block time / iters)",
+    "mean_s": "slowest rank's mean time per iteration (its block time / iters, nccl-tests' "
+              "statistic); spikes included; the bandwidths do not use it",
     "p10_s": "10th percentile of the same",
     "p90_s": "90th percentile of the same",
+    "noisy": "True when p90_s > NOISY_SPREAD (2) x p10_s: the iterations disagree; measure "
+             "again or with more iters",
     "rank_min_s": "fastest rank's own median time",
     "rank_max_s": "slowest rank's own median time",
-    "algbw_GBps": "bytes / mean_s, in GB/s (10**9 B/s): throughput, as nccl-tests reports it",
+    "algbw_GBps": "bytes / time_s (the median), in GB/s (10**9 B/s); nccl-tests' algbw",
     "busbw_GBps": "algbw times nccl-tests' bus factor of the op",
     "status": "'ok', 'unsupported' (the backend raised; see note) or 'wrong' (result check failed)",
     "verified": "the op's result was checked against the expected values (once per size)",
@@ -165,25 +171,41 @@ class Records(Table):
 
     A list of dicts with :meth:`to_pandas`, :meth:`to_csv`, :meth:`to_json`, :meth:`plot`, and a
     readable ``str()`` table (an HTML one in a notebook) with one unit per column, in its header:
-    ``size (KiB)``, ``time (µs)``, ``busbw (GB/s)``; the exports keep the raw fields of
+    ``size (KiB)``, ``median (µs)``, ``busbw (GB/s)``; the exports keep the raw fields of
     :data:`FIELDS`. ``records + other`` and :meth:`concat` join runs for comparisons.
     """
 
-    SHOWN = ["op", "bytes", "world_size", "backend", "time_s", "p90_s", "mean_s", "algbw_GBps",
-             "busbw_GBps", "status"]
+    SHOWN = ["op", "bytes", "world_size", "backend", "time_s", "p10_s", "p90_s", "algbw_GBps",
+             "busbw_GBps", "noisy", "status"]
     """The columns ``str()`` and the notebook display show (all are in the data)."""
 
     def _column(self, key: str) -> Column:
-        """The field ``key`` as shown; all times share one unit, so they compare at a glance."""
+        """The field ``key`` as shown; all times share one unit, so they compare at a glance,
+        and ``time_s`` is headed by its statistic, the median."""
         col = super()._column(key)
         if col.kind == "time":
-            return Column(key, col.name, "time", group="time")
+            return Column(key, "median" if key == "time_s" else col.name, "time", group="time")
         return col
 
-    def _notes(self) -> List[str]:
-        """Why ops were unsupported or wrong (the ``note`` field), once per op and note."""
-        return list(dict.fromkeys(f"{r['op']}: {r['note']}" for r in self
-                                  if r.get("note") and r.get("op")))
+    def _view(self, columns: Optional[List[str]] = None) -> TableView:
+        shown = columns or self._columns_shown()
+        rows = [dict(r, noisy={True: "yes", False: "no"}.get(r.get("noisy"))) for r in self]
+        return TableView(rows, [self._column(c) for c in shown], self._notes(shown))
+
+    def _notes(self, shown: Optional[List[str]] = None) -> List[str]:
+        """What the time and bandwidth columns are (when shown), then why ops were unsupported
+        or wrong (the ``note`` field), once per op and note."""
+        shown = shown or self._columns_shown()
+        notes = []
+        if "time_s" in shown:
+            iters = sorted({r["iters"] for r in self if r.get("iters")})
+            notes.append(f"median (p10, p90) of {'/'.join(map(str, iters)) or 'the'} "
+                         f"iterations, slowest rank; algbw = size / median")
+        if "noisy" in shown and any(r.get("noisy") for r in self):
+            notes.append(f"noisy: p90 > {NOISY_SPREAD:g} x p10, the iterations disagree (often "
+                         f"a rank that waited for a core); measure again or with more iters")
+        return notes + list(dict.fromkeys(f"{r['op']}: {r['note']}" for r in self
+                                          if r.get("note") and r.get("op")))
 
     def _columns_shown(self) -> List[str]:
         return [c for c in self.SHOWN if any(c in r for r in self)] or self.columns()
@@ -193,9 +215,10 @@ class Records(Table):
         """Draw the records with matplotlib; return the Axes (two for ``kind="both"``).
 
         ``kind``: ``"both"`` (latency and bus bandwidth side by side), ``"latency"`` or
-        ``"busbw"``. ``limit`` (GB/s) adds a horizontal line to the bandwidth plot, e.g.
-        :func:`nbdist.bench.memcpy_bandwidth`. ``ax``: existing Axes to draw into (two for
-        ``"both"``).
+        ``"busbw"``. ``limit`` (GB/s), e.g. :func:`nbdist.bench.memcpy_bandwidth`, adds a
+        right-hand axis in percent of it to the bandwidth plot, and a line at it when it is near
+        the curves (see :func:`nbdist.ui.plots.collectives.plot_busbw`). Noisy points are ringed.
+        ``ax``: existing Axes to draw into (two for ``"both"``).
         """
         from ..ui.plots import collectives as plots
 

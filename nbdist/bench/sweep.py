@@ -10,7 +10,7 @@ import statistics
 from typing import Any, Dict, Iterable, Optional, Sequence, Union
 
 from ..errors import ranks_phrase
-from .records import FIELDS, Records
+from .records import FIELDS, NOISY_SPREAD, Records
 from .units import (GiB, KiB, MiB, bandwidths, format_bytes, parse_ops, parse_size,
                     parse_sizes, percentile)
 
@@ -40,11 +40,13 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
 
     Per iteration the op's time is the slowest rank's; ``time_s`` is the median of those (the
     typical latency), ``p10_s``/``p90_s`` their percentiles, ``rank_min_s``/``rank_max_s`` the
-    fastest and slowest rank's own median. ``mean_s`` is the slowest rank's mean (its time for
-    the whole block / iters): the throughput a loop of these ops gets, as nccl-tests and a plain
-    timing loop measure it, so the bandwidths use it. (A per-iteration maximum would also count
-    the ranks' alternating lead from one iteration to the next, which costs no rank any time.)
-    ``meta`` supplies world_size, backend, device, dtype, iters, warmup.
+    fastest and slowest rank's own median. The bandwidths are ``bytes / time_s``: the same
+    statistic as the time shown next to them, and one that a few preempted iterations (a rank
+    that lost its core for a scheduler slice) do not move. ``mean_s`` (the slowest rank's block
+    time / iters, what nccl-tests divides by) is kept for reference; it includes those spikes.
+    ``noisy`` is True when ``p90_s > NOISY_SPREAD * p10_s``: the iterations disagree, so the
+    point is worth measuring again. ``meta`` supplies world_size, backend, device, dtype, iters,
+    warmup.
     """
     first = results[0]
     rec = _empty_record(op, first["bytes"], first["count"], meta)
@@ -61,7 +63,8 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     rec.update(time_s=statistics.median(per_iter), mean_s=max(map(statistics.fmean, timed)),
                p10_s=percentile(per_iter, 10), p90_s=percentile(per_iter, 90),
                rank_min_s=min(rank_medians), rank_max_s=max(rank_medians))
-    rec["algbw_GBps"], rec["busbw_GBps"] = bandwidths(op, rec["bytes"], rec["mean_s"],
+    rec["noisy"] = rec["p90_s"] > NOISY_SPREAD * rec["p10_s"]
+    rec["algbw_GBps"], rec["busbw_GBps"] = bandwidths(op, rec["bytes"], rec["time_s"],
                                                       meta["world_size"])
     wrong = [r for r, res in enumerate(results) if res["verified"] is False]
     note = (f"the result differed from the expected values on {ranks_phrase(wrong)}"
@@ -80,7 +83,7 @@ def _empty_record(op: str, nbytes: int, count: Optional[int], meta) -> Dict[str,
 
 def collectives(group, ops: Union[None, str, Sequence[str]] = None,
                 sizes: Union[str, int, Iterable] = DEFAULT_SIZES, dtype: Any = "float32",
-                iters: int = 20, warmup: int = 5, progress: bool = True,
+                iters: int = 50, warmup: int = 10, progress: bool = True,
                 timeout: Optional[float] = None) -> Records:
     """Benchmark collectives on ``group``; return one record per (op, size) as :class:`Records`.
 
@@ -90,6 +93,8 @@ def collectives(group, ops: Union[None, str, Sequence[str]] = None,
         sizes: message sizes in bytes, e.g. ``"4K-64M"`` (see :func:`parse_sizes`).
         dtype: element type, e.g. ``"float32"`` or ``torch.bfloat16``.
         iters: measured iterations per point; ``warmup``: iterations run before, not measured.
+            The defaults (50 and 10) keep the median steady on a shared 2-core machine, where a
+            rank that loses its core for a scheduler slice adds milliseconds to an iteration.
         progress: show a progress bar (tqdm: a widget in notebooks, text in terminals).
         timeout: deadline in seconds for each point (default: the group's ``call_timeout``).
 
@@ -210,17 +215,24 @@ def compare(group, configs: Sequence[Dict[str, Any]], **sweep) -> Records:
     return out
 
 
-def memcpy_bandwidth(group=None, nbytes: int = 64 * MiB, repeats: int = 5) -> float:
+def memcpy_bandwidth(group=None, nbytes: int = 64 * MiB, repeats: int = 5,
+                     each: bool = False) -> Union[float, Dict[str, float]]:
     """Single-core memory copy bandwidth of this machine in GB/s (10**9 B/s).
 
-    A ``memmove`` of ``nbytes`` between two CPU buffers, median of ``repeats``: the most data one
-    process can move through memory per second, the limit a CPU collective's bandwidth is held
-    against. With a ``group`` it runs on rank 0 (the ranks' environment); otherwise here.
+    ``nbytes`` copied between two CPU buffers on one thread, three ways (libc ``memmove``,
+    torch's ``copy_``, ``numpy.copyto``; they take turns), median of ``repeats`` each; the
+    result is the fastest of the three: the most data one core moves through memory per second,
+    the limit a CPU collective's bandwidth is held against. (Which way wins varies: one
+    library's copy can be half as fast as another's on the same machine.) ``each=True`` returns
+    all three as ``{way: GB/s}``. With a ``group`` it runs on rank 0 (the ranks' environment);
+    otherwise here.
     """
     from . import ops as rank_ops
 
     nbytes = parse_size(nbytes) if isinstance(nbytes, str) else _check_count("nbytes", nbytes, 1)
     _check_count("repeats", repeats, 1)
     if group is None:
-        return rank_ops.memcpy(nbytes, repeats)
-    return group.call(rank_ops.memcpy, (nbytes, repeats), ranks=[0])[0]
+        ways = rank_ops.memcpy_all(nbytes, repeats)
+    else:
+        ways = group.call(rank_ops.memcpy_all, (nbytes, repeats), ranks=[0])[0]
+    return dict(ways) if each else max(ways.values())

@@ -1,6 +1,7 @@
 """Every tutorial notebook runs top to bottom in a real kernel (nbclient); key outputs are checked.
 Notebooks are stored without outputs."""
 import pathlib
+import re
 
 import nbformat
 import pytest
@@ -74,10 +75,64 @@ def test_failures(tmp_path):
     assert "usable again" in text
 
 
+_UNITS = {"ns": 1e-9, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "B": 1, "KiB": 1 << 10, "MiB": 1 << 20,
+          "GiB": 1 << 30, "MB/s": 1e-3, "GB/s": 1.0}
+
+
+def _rate(text):
+    """GB/s from a printed rate: '12.3 MB/s' -> 0.0123."""
+    value, unit = text.split()
+    return float(value) * _UNITS[unit]
+
+
+def _sweep_rows(text):
+    """The rows of a Records table as printed (text/plain), in SI units: seconds, bytes, GB/s."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("op "))
+    heads = re.split(" {2,}", lines[start].strip())
+    names = [h.split(" (")[0] for h in heads]
+    scale = {n: _UNITS[h[h.index("(") + 1:-1]] if "(" in h else None for n, h in zip(names, heads)}
+    rows = []
+    for line in lines[start + 2:]:
+        cells = line.split()
+        if len(cells) != len(heads):
+            break
+        rows.append({n: (float(c) * scale[n] if scale[n] and c != "-" else c)
+                     for n, c in zip(names, cells)})
+    return heads, rows, lines[start + 2 + len(rows):]
+
+
 def test_collectives(tmp_path):
     nb, out = run_notebook("03_collectives.ipynb", tmp_path)
     text = "\n".join(out)
-    assert "all_reduce" in text and "memcpy:" in text and "GB/s" in text
+    # One statistic throughout: the table's bandwidth is its size / its median time.
+    heads, rows, notes = _sweep_rows(out[1])
+    assert [h.split(" (")[0] for h in heads][4:] == ["median", "p10", "p90", "algbw", "busbw",
+                                                     "noisy", "status"]
+    assert len(rows) == 3 * 11 + 1 and "median (p10, p90) of 50 iterations" in "".join(notes)
+    for r in rows:
+        if r["op"] != "barrier":
+            assert r["algbw"] == pytest.approx(r["size"] / r["median"] / 1e9, rel=0.02, abs=2e-3)
+        if r["p90"] > 2.05 * r["p10"] or r["p90"] < 1.95 * r["p10"]:  # away from rounding
+            assert r["noisy"] == ("yes" if r["p90"] > 2 * r["p10"] else "no"), r
+    assert ("noisy: p90 > 2 x p10" in "".join(notes)) == any(r["noisy"] == "yes" for r in rows)
+    # The evidence printed next to the claims.
+    assert re.search(r"noisy points: \d+ of 34", out[2]) and "load average" in out[2]
+    check = re.search(r"= ([\d.]+ [MG]B/s); the table's algbw: ([\d.]+ [MG]B/s)", out[2])
+    assert check and _rate(check[1]) == pytest.approx(_rate(check[2]), rel=0.02)
+    ways = dict(re.findall(r"(memmove|torch copy_|numpy.copyto) ([\d.]+ [MG]B/s)", out[3]))
+    limit = re.search(r"limit: ([\d.]+ [MG]B/s)", out[3])[1]
+    assert len(ways) == 3 and _rate(limit) == max(map(_rate, ways.values()))
+    assert re.search(r"best busbw: .* of memcpy", out[3])
+    # 2 against 3 ranks: busbw = algbw x 2(n-1)/n, so compare times; the verdict is printed.
+    table = re.findall(r"^ *(\S+ \S+) +([23]) +(\S+ \S+) +(\S+ \S+) +([\d.]+ [MG]B/s) +"
+                       r"([\d.]+) +([\d.]+ [MG]B/s) +(yes|no)$", out[4], re.M)
+    assert len(table) == 10
+    for _, n, _, _, algbw, factor, busbw, _ in table:
+        assert float(factor) == pytest.approx(2 * (int(n) - 1) / int(n), abs=0.005)
+        assert _rate(busbw) == pytest.approx(_rate(algbw) * float(factor), rel=0.03)
+    assert len(re.findall(r"faster with [23] ranks \([\d.]+x the 2-rank time\); higher busbw: "
+                          r"[23] ranks", out[4])) == 5
     assert "(3, 'all_reduce')" in text
     images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                  for o in c.outputs)

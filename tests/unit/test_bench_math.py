@@ -51,7 +51,7 @@ def test_summarize_takes_the_slowest_rank_per_iteration():
     assert rec["time_s"] == 4.0 and rec["mean_s"] == 4.0
     assert rec["p10_s"] == pytest.approx(3.2) and rec["p90_s"] == pytest.approx(7.2)
     assert (rec["rank_min_s"], rec["rank_max_s"]) == (2.0, 3.0)  # each rank's own median
-    assert rec["algbw_GBps"] == 0.25 and rec["busbw_GBps"] == 0.25 * 1.5  # from the mean
+    assert rec["algbw_GBps"] == 0.25 and rec["busbw_GBps"] == 0.25 * 1.5  # from the median
     assert rec["status"] == "ok" and rec["verified"] is True and rec["note"] is None
     assert list(rec) == list(bench.FIELDS)
     assert {k: rec[k] for k in META} == META
@@ -70,8 +70,58 @@ def test_summarize_unsupported_wrong_and_idle_ranks():
     assert rec["note"] == "the result differed from the expected values on ranks 1, 2"
     idle = ok(None)  # ranks > 1 take no part in send_recv
     rec = bench.summarize("send_recv", [ok([2.0, 4.0]), ok([3.0, 1.0]), idle], **META)
-    assert rec["time_s"] == 3.5 and rec["mean_s"] == 3.0 and rec["algbw_GBps"] == 1 / 3
+    assert rec["time_s"] == 3.5 and rec["mean_s"] == 3.0
+    assert rec["algbw_GBps"] == pytest.approx(1 / 3.5)
     assert rec["busbw_GBps"] == rec["algbw_GBps"]
+
+
+@pytest.mark.timeout(10)
+def test_bandwidths_come_from_the_median_the_table_shows():
+    # one spike (a rank that lost its core for a scheduler slice): the mean jumps, the median not
+    times = [1e-4] * 9 + [41e-4]
+    rec = bench.summarize("all_reduce", [ok(times, nbytes=10**6), ok(times, nbytes=10**6)],
+                          **META)
+    assert rec["time_s"] == 1e-4 and rec["mean_s"] == pytest.approx(5e-4)
+    assert rec["algbw_GBps"] == pytest.approx(10**6 / rec["time_s"] / 1e9)
+    assert rec["busbw_GBps"] == pytest.approx(rec["algbw_GBps"] * bench.bus_factor(
+        "all_reduce", 4))
+    head, _, row = str(Records([rec])).splitlines()[:3]
+    cells = dict(zip(re.split(" {2,}", head), row.split()))
+    assert "mean (µs)" not in cells  # one statistic in the table: the median
+    nbytes, seconds = float(cells["size (KiB)"]) * 1024, float(cells["median (µs)"]) * 1e-6
+    assert float(cells["algbw (GB/s)"]) == pytest.approx(nbytes / seconds / 1e9, rel=1e-2)
+
+
+@pytest.mark.timeout(10)
+def test_points_whose_iterations_disagree_are_flagged_noisy():
+    steady = bench.summarize("all_reduce", [ok([1.0, 1.1, 1.2, 1.0, 1.1])] * 2, **META)
+    spiky = bench.summarize("all_reduce", [ok([1.0, 1.1, 1.0, 5.0, 1.0])] * 2, **META)
+    assert steady["noisy"] is False and spiky["noisy"] is True
+    assert spiky["p90_s"] > bench.NOISY_SPREAD * spiky["p10_s"]
+    text = str(Records([steady, spiky]))
+    assert [line.split()[-2] for line in text.splitlines()[2:4]] == ["no", "yes"]
+    assert "noisy: p90 > 2 x p10" in text
+    assert "noisy:" not in str(Records([steady]))
+    assert "median (p10, p90) of 3 iterations, slowest rank; algbw = size / median" in text
+
+
+@pytest.mark.timeout(10)
+def test_memcpy_limit_is_the_fastest_copy(monkeypatch):
+    from nbdist.bench import ops
+
+    ways = bench.memcpy_bandwidth(nbytes=1 << 20, repeats=1, each=True)
+    assert set(ways) == set(ops.COPIES) and all(v > 0 for v in ways.values())
+    monkeypatch.setattr(ops, "memcpy_all", lambda nbytes, repeats: {
+        "memmove": 9.0, "torch copy_": 6.3, "numpy.copyto": 10.1})
+    assert bench.memcpy_bandwidth() == 10.1
+
+
+@pytest.mark.timeout(10)
+def test_memcpy_without_numpy_times_the_other_two(monkeypatch):
+    from nbdist.bench import ops
+
+    monkeypatch.setitem(sys.modules, "numpy", None)  # torch runs without numpy
+    assert set(ops.memcpy_all(1 << 16, 1)) == {"memmove", "torch copy_"}
 
 
 # ---- sizes and ops ------------------------------------------------------------------------
@@ -156,10 +206,10 @@ def test_table_text_html_and_joins():
     records = _records()
     text = str(records)
     assert re.split(" {2,}", text.splitlines()[0]) == [  # one unit per column, in its header
-        "op", "size (MiB)", "world_size", "backend", "time (µs)", "p90 (µs)", "mean (µs)",
-        "algbw (GB/s)", "busbw (GB/s)", "status"]
+        "op", "size (MiB)", "world_size", "backend", "median (µs)", "p10 (µs)", "p90 (µs)",
+        "algbw (GB/s)", "busbw (GB/s)", "noisy", "status"]
     assert text.splitlines()[2].split()[:2] == ["all_reduce", "954"]  # 10**9 B in MiB
-    assert text.splitlines()[2].split()[4:7] == ["2500", "2900", "2000"]  # µs, as the header
+    assert text.splitlines()[2].split()[4:7] == ["2500", "2100", "2900"]  # µs, as the header
     assert "<table>" in records._repr_html_() and "barrier" in records._repr_html_()
     both = Records.concat([records, records])
     assert len(both) == 4 and isinstance(both, Records) and isinstance(records + records, Records)

@@ -193,6 +193,8 @@ OWNED = pytest.mark.xfail(strict=True, reason="owned by the pipeline/live-view c
 FIGURES = {
     "collectives sweep (03)": lambda: sweep_records().plot(limit=12.0),
     "latency alone": lambda: sweep_records().plot("latency"),
+    "bus bandwidth alone, memcpy far above": lambda: sweep_records().plot("busbw", limit=200.0),
+    "bus bandwidth alone, memcpy near": lambda: sweep_records().plot("busbw", limit=1.0),
     "collectives in the bench panel": _saved(_bench_panel),
     "comparison of world sizes (03)": lambda: sweep_records(world_sizes=(2, 3)).plot("busbw"),
     "trace timeline (03)": lambda: trace().plot(),

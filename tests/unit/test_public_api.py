@@ -23,8 +23,8 @@ API = {
         "unregister_backend",
     ],
     "nbdist.bench": [
-        "DEFAULT_SIZES", "FIELDS", "OPS", "Records", "Summary", "Table", "Trace", "Traffic",
-        "bandwidths", "bus_factor", "cli", "collectives", "compare", "expected_traffic",
+        "DEFAULT_SIZES", "FIELDS", "NOISY_SPREAD", "OPS", "Records", "Summary", "Table", "Trace",
+        "Traffic", "bandwidths", "bus_factor", "cli", "collectives", "compare", "expected_traffic",
         "format_bytes", "format_rate", "format_time", "memcpy_bandwidth", "parse_ops",
         "parse_size", "parse_sizes", "step", "summarize", "trace", "traffic",
     ],
@@ -48,8 +48,8 @@ API = {
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "MeshPanel", "Watch", "bench_panel",
                   "launcher", "memory_panel", "mesh_panel", "watch"],
 }
-CONSTANTS = {"DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "OPS", "OPTIMIZERS", "FAIRSCALE_HINT",
-             "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}
+CONSTANTS = {"DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "NOISY_SPREAD", "OPS", "OPTIMIZERS",
+             "FAIRSCALE_HINT", "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}
 
 
 @pytest.mark.parametrize("module", sorted(API))

@@ -116,13 +116,15 @@ def test_columns_say_what_is_wrong():
 def test_sweep_table_has_one_unit_per_column_in_html_and_text():
     records = _sweep()
     heads, rows = _html_table(records._repr_html_())
-    assert heads == ["op", "size (KiB)", "world_size", "backend", "time (µs)", "p90 (µs)",
-                     "mean (µs)", "algbw (GB/s)", "busbw (GB/s)", "status"]
+    assert heads == ["op", "size (KiB)", "world_size", "backend", "median (µs)", "p10 (µs)",
+                     "p90 (µs)", "algbw (GB/s)", "busbw (GB/s)", "noisy", "status"]
     assert [r[1] for r in rows] == ["4", "65536"]
     assert [r[4] for r in rows] == ["12", "31000"]  # not "12 µs" and "31 ms"
     assert [r[8] for r in rows] == ["0.341", "2.165"]  # 4096 B / 12 µs, times 2 (n - 1) / n
     header, lines = _text_table(str(records))
-    assert header.startswith("op          size (KiB)  world_size  backend  time (µs)")
+    lines, notes = lines[:len(records)], lines[len(records):]  # the notes follow the rows
+    assert notes == ["median (p10, p90) of 3 iterations, slowest rank; algbw = size / median"]
+    assert header.startswith("op          size (KiB)  world_size  backend  median (µs)")
     assert "µs" not in "".join(lines) and "GB/s" not in "".join(lines)
     assert len({len(line) for line in lines}) == 1
 

@@ -114,16 +114,17 @@ class BenchMagics(NbdistMagics):
                    "barrier, send_recv")
     @argument("--sizes", type=_sizes, default="4K-16M", metavar="RANGE",
               help="e.g. 4K-64M or 1K,1M")
-    @argument("--iters", type=_positive(int), default=10,
-              help="measured iterations per point (10)")
-    @argument("--warmup", type=_at_least_zero, default=3, help="unmeasured iterations first (3)")
+    @argument("--iters", type=_positive(int), default=50,
+              help="measured iterations per point (50)")
+    @argument("--warmup", type=_at_least_zero, default=10,
+              help="unmeasured iterations first (10)")
     @argument("--dtype", default="float32")
     @argument("--no-limit", action="store_true", help="don't measure and draw the memcpy line")
     @argument("--no-plot", action="store_true", help="table only")
     def dist_bench(self, line: str = ""):
         """Measure latency, algbw and busbw (nccl-tests' definitions) of collectives on the
-        current group; show the table and, inline, latency and bus bandwidth against size with
-        this machine's single-core memcpy bandwidth as the limit line."""
+        current group; show the table and, inline, latency and bus bandwidth against size held
+        against this machine's single-core memcpy bandwidth (the fastest of three copies)."""
         from ... import bench
 
         args = self.parse(self.dist_bench, line)

@@ -22,19 +22,43 @@ _MARKERS = "os^vD<>p*h"
 
 
 def _lines(records: Iterable[Dict[str, Any]], value: str):
-    """Group ok records into lines: [(label, [(bytes, value)...], style index)]."""
+    """Group ok records into lines: [(label, [(bytes, value, noisy)...], style index)]."""
     rows = [r for r in records if r.get("status") == "ok" and r.get(value) is not None]
     varying = [k for k in _CONFIG if len({r.get(k) for r in rows}) > 1]
     lines: Dict[Tuple, List[Tuple[float, float]]] = {}
     for r in rows:
         key = (r["op"],) + tuple(r.get(k) for k in varying)
-        lines.setdefault(key, []).append((r["bytes"], r[value]))
+        lines.setdefault(key, []).append((r["bytes"], r[value], bool(r.get("noisy"))))
     out = []
     for i, (key, points) in enumerate(lines.items()):
         parts = [key[0]] + [f"{k.replace('world_size', 'n')}={v}" if k == "world_size" else str(v)
                             for k, v in zip(varying, key[1:])]
         out.append((" ".join(parts), sorted(points), i))
     return out
+
+
+def _draw(ax, points, i: int, label: str) -> List[float]:
+    """One line; its noisy points (p90 > 2 x p10) ringed. Returns its sizes."""
+    xs, ys, _ = zip(*points)
+    ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+    rings = [(x, y) for x, y, bad in points if bad]
+    if rings:
+        seen = any(c.get_label() == _NOISY for c in ax.collections)
+        ax.scatter(*zip(*rings), s=70, facecolors="none", edgecolors="red", linewidths=1,
+                   zorder=3, label=None if seen else _NOISY)
+    return list(xs)
+
+
+_NOISY = "noisy (p90 > 2× p10)"
+
+
+def _legend(ax) -> None:
+    """The legend outside the data, with the noisy-point ring last (after every line it may
+    mark)."""
+    if ax.child_axes:  # the "% of memcpy" axis takes the right side: the legend goes under
+        style.legend_below(ax.figure, [ax], last=(_NOISY,))
+    else:
+        style.legend_outside(ax, last=(_NOISY,))
 
 
 def _new_axes(ax):
@@ -59,15 +83,14 @@ def _size_axis(ax, sizes: Sequence[float]) -> None:
 def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     """Time per op (median over iterations of the slowest rank) against message size, log-log.
 
-    Barriers, which carry no data, are dashed horizontal lines.
+    Barriers, which carry no data, are dashed horizontal lines. Noisy points (the record's
+    ``noisy``: p90 > 2x p10) are ringed in red, here and in :func:`plot_busbw`.
     """
     records = list(records)
     ax = _new_axes(ax)
     sizes = []
     for label, points, i in _lines((r for r in records if r["op"] != "barrier"), "time_s"):
-        xs, ys = zip(*points)
-        sizes += xs
-        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+        sizes += _draw(ax, points, i, label)
     for label, points, _ in _lines((r for r in records if r["op"] == "barrier"), "time_s"):
         ax.axhline(points[0][1], linestyle="--", color="gray", label=label)
     ax.set_yscale("log")
@@ -78,33 +101,46 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     _size_axis(ax, sizes)
     ax.set_ylabel("time per op (slowest rank, median)")
     ax.set_title("latency")
-    style.legend_outside(ax)
+    _legend(ax)
     return ax
+
+
+_ON_SCALE = 1.5  #: a limit up to this many times the highest point is drawn as a line
 
 
 @style.styled
 def plot_busbw(records: Iterable[Dict[str, Any]], ax=None, limit: Optional[float] = None,
                limit_label: str = "memcpy"):
-    """Bus bandwidth (GB/s, nccl-tests' definition) against message size.
+    """Bus bandwidth (GB/s, nccl-tests' definition; from the median time) against message size.
 
-    ``limit`` (GB/s) draws a horizontal line, e.g. the machine's memcpy bandwidth from
-    :func:`nbdist.bench.memcpy_bandwidth`, labelled ``limit_label`` and its value.
+    ``limit`` (GB/s), e.g. the machine's memcpy bandwidth from
+    :func:`nbdist.bench.memcpy_bandwidth`, adds a right-hand axis in percent of it, and a
+    dotted line at it when it is near the data. A limit far above every point is not drawn
+    (it would squeeze the curves into the bottom of the plot); its legend entry gives the value
+    and says it is off the scale.
     """
     ax = _new_axes(ax)
-    sizes = []
+    sizes: List[float] = []
+    top = 0.0
     for label, points, i in _lines(records, "busbw_GBps"):
-        xs, ys = zip(*points)
-        sizes += xs
-        ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
+        sizes += _draw(ax, points, i, label)
+        top = max(top, *(y for _, y, _ in points))
     if limit is not None:
-        ax.axhline(limit, linestyle=":", color="black",
-                   label=f"{limit_label} ({format_rate(limit)})")
+        text = f"{limit_label} ({format_rate(limit)})"
+        if top and limit > _ON_SCALE * top:
+            ax.plot([], [], linestyle=":", color="black", label=f"{text}: above the plot")
+            ax.set_ylim(0, top * 1.1)
+        else:
+            ax.axhline(limit, linestyle=":", color="black", label=text)
+        ax.secondary_yaxis("right", functions=(lambda v: v / limit * 100,
+                                               lambda p: p * limit / 100)
+                           ).set_ylabel(f"% of {limit_label}")
     _size_axis(ax, sizes)
     ax.set_ylim(bottom=0)
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.set_ylabel("bus bandwidth (GB/s)")
     ax.set_title("bus bandwidth")
-    style.legend_outside(ax)
+    _legend(ax)
     return ax
 
 
@@ -125,7 +161,7 @@ def plot_collectives(records: Iterable[Dict[str, Any]], ax=None, limit: Optional
     plot_latency(records, ax=ax[0])
     plot_busbw(records, ax=ax[1], limit=limit, limit_label=limit_label)
     if isinstance(ax[0].figure.get_layout_engine(), ConstrainedLayoutEngine):
-        style.legend_below(ax[0].figure, ax)  # each panel keeps its whole width for the data
+        style.legend_below(ax[0].figure, ax, last=(_NOISY,))  # each panel keeps its whole width for the data
     return ax
 
 

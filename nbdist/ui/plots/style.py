@@ -56,22 +56,27 @@ def new_figure(height: float, nrows: int = 1, ncols: int = 1, width: float = WID
         return plt.subplots(nrows, ncols, figsize=(width, height), layout="constrained", **kw)
 
 
-def legend_outside(ax, **kw):
+def legend_outside(ax, last: Sequence[str] = (), **kw):
     """The Axes' legend to the right of it, outside the plotted area, so it covers no data
-    (constrained layout makes room); ``None`` when nothing is labelled."""
+    (constrained layout makes room); entries labelled as in ``last`` go at the end. ``None``
+    when nothing is labelled."""
     handles, labels = ax.get_legend_handles_labels()
     if not handles:
         return None
+    order = sorted(range(len(labels)), key=lambda k: labels[k] in last)
+    handles, labels = [handles[k] for k in order], [labels[k] for k in order]
     return ax.legend(handles, labels, loc="upper left", bbox_to_anchor=(1.01, 1.0),
                      borderaxespad=0.0, **kw)
 
 
-def legend_below(fig, axes: Sequence, max_columns: int = 4):
+def legend_below(fig, axes: Sequence, max_columns: int = 4, last: Sequence[str] = ()):
     """One legend for several Axes, centred under them (each label once); the Axes' own legends
-    are removed. Needs constrained layout (:func:`new_figure`); ``None`` when nothing is
-    labelled."""
+    are removed; entries labelled as in ``last`` go at the end. Needs constrained layout
+    (:func:`new_figure`); ``None`` when nothing is labelled."""
     handles: List = []
     labels: List[str] = []
+    for old in [leg for leg in fig.legends if getattr(leg, "nbdist", False)]:
+        old.remove()  # an earlier legend_below for some of these Axes: this one replaces it
     for ax in axes:
         if ax.get_legend() is not None:
             ax.get_legend().remove()
@@ -81,5 +86,9 @@ def legend_below(fig, axes: Sequence, max_columns: int = 4):
                 labels.append(label)
     if not handles:
         return None
-    return fig.legend(handles, labels, loc="outside lower center",
-                      ncols=min(max_columns, len(labels)))
+    order = sorted(range(len(labels)), key=lambda k: labels[k] in last)
+    handles, labels = [handles[k] for k in order], [labels[k] for k in order]
+    legend = fig.legend(handles, labels, loc="outside lower center",
+                        ncols=min(max_columns, len(labels)))
+    legend.nbdist = True
+    return legend
