@@ -96,6 +96,21 @@ class Timeline:
             busy[e["rank"]] = busy.get(e["rank"], 0.0) + e["end"] - e["start"]
         return busy
 
+    def in_flight(self) -> Dict[int, int]:
+        """Per rank, the most microbatches whose activations it held at once: forwards run
+        whose backward has not finished (all ``m`` for GPipe, at most ``p - rank`` for 1F1B).
+        It follows from the order of the rank's events alone, so it does not depend on timing."""
+        peak: Dict[int, int] = {r: 0 for r in self.spans}
+        held: Dict[int, set] = {}
+        for e in sorted(self.events, key=lambda e: (e["rank"], e["end"])):
+            mine, key = held.setdefault(e["rank"], set()), (e["stage"], e["microbatch"])
+            if e["kind"] == "forward":
+                mine.add(key)
+            else:
+                mine.discard(key)
+            peak[e["rank"]] = max(peak.get(e["rank"], 0), len(mine))
+        return peak
+
     def bubble(self) -> Dict[str, Any]:
         """The measured bubble next to the schedule's: ``measured`` (mean over ranks of the idle
         share of the makespan -- waiting for a neighbour's activation or gradient, the gloo
@@ -115,8 +130,9 @@ class Timeline:
 
     def rows(self) -> List[Dict[str, Any]]:
         """Per rank: ``stages``, mean ``forward_s`` / ``backward_s`` per microbatch, ``busy_s``,
-        ``idle_s`` and ``idle`` (share of the makespan)."""
+        ``idle_s``, ``idle`` (share of the makespan) and ``in_flight`` (:meth:`in_flight`)."""
         begin, end = self.window
+        held = self.in_flight()
         out = []
         for rank, busy in sorted(self._busy().items()):
             mine = [e for e in self.events if e["rank"] == rank]
@@ -127,7 +143,7 @@ class Timeline:
                         "forward_s": sum(fwd) / len(fwd) if fwd else None,
                         "backward_s": sum(bwd) / len(bwd) if bwd else None,
                         "busy_s": busy, "idle_s": (end - begin) - busy,
-                        "idle": 1.0 - busy / (end - begin)})
+                        "idle": 1.0 - busy / (end - begin), "in_flight": held.get(rank, 0)})
         return out
 
     def table(self) -> TableView:
@@ -138,10 +154,12 @@ class Timeline:
                 Column("backward_s", "backward", "time", group="mb"),
                 Column("busy_s", "busy", "time", group="step"),
                 Column("idle_s", "idle", "time", group="step"),
-                Column("idle", "idle share", "fraction", decimals=1)]
+                Column("idle", "idle share", "fraction", decimals=1),
+                Column("in_flight", "peak in flight (mb)", "number")]
         theory_text = "not computed" if b["theory"] is None else f"{b['theory']:.1%}"
         notes = [f"{self.schedule}, {self.microbatches} microbatches, {self.ranks} ranks, "
-                 f"{self.num_stages} stages; forward/backward: mean per microbatch",
+                 f"{self.num_stages} stages; forward/backward: mean per microbatch; peak in "
+                 f"flight: most microbatches whose activations the rank held at once",
                  f"bubble: measured {b['measured']:.1%} of a {b['makespan_s'] * 1e3:.2f} ms step "
                  f"(mean idle share over ranks), theory {theory_text}: {b['formula']}"]
         return TableView(self.rows(), cols, notes)

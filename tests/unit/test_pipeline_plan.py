@@ -59,6 +59,27 @@ def test_an_ideal_schedule_measures_its_theory(p, m):
     assert f"theory {(p - 1) / (m + p - 1):.1%}: (p-1)/(m+p-1)" in tl.table().text()
 
 
+def one_f_one_b(m=4):
+    """Two ranks under 1F1B, every event 1 long: rank 0 runs two forwards before its first
+    backward, rank 1 (the last stage) alternates from the start."""
+    order = {0: "f0 f1 b0 f2 b1 f3 b2 b3", 1: "f0 b0 f1 b1 f2 b2 f3 b3"}
+    parts = []
+    for r, ops in order.items():
+        events = [dict(rank=r, stage=r, microbatch=int(op[1]),
+                       kind="forward" if op[0] == "f" else "backward", start=float(i),
+                       end=i + 1.0) for i, op in enumerate(ops.split())]
+        parts.append(Timeline("1f1b", m, 2, 2, events, {r: (0.0, 2.0 * m)}))
+    return Timeline.merge(parts)
+
+
+def test_peak_activations_in_flight_follow_the_order_of_events():
+    assert Timeline.merge(ideal_gpipe(4, 8)).in_flight() == {0: 8, 1: 8, 2: 8, 3: 8}
+    tl = one_f_one_b()
+    assert tl.in_flight() == {0: 2, 1: 1}  # p - rank
+    assert [r["in_flight"] for r in tl.rows()] == [2, 1]
+    assert "peak in flight (mb)" in tl.table().text()
+
+
 def test_theory_of_each_schedule():
     assert theory("1f1b", 8, 2)[0] == pytest.approx(1 / 9)
     value, formula = theory("interleaved1f1b", 4, 2, 2)
