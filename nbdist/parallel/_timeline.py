@@ -128,6 +128,47 @@ class Timeline:
                 "theory": value, "formula": formula, "per_rank": per_rank,
                 "makespan_s": total}
 
+    def replay(self) -> Dict[str, Any]:
+        """The schedule's own bubble for this step: every rank runs its events in the recorded
+        order, each taking its measured time, and starts one as soon as its input is there (a
+        forward after the previous stage's forward of the microbatch, a backward after the next
+        stage's backward, or the last stage's own forward): sends are free and every rank has a
+        core. Returns ``bubble`` (mean idle share), ``makespan_s`` and ``per_rank``; what
+        :meth:`bubble` measures above it went to sends, the schedule's own work between
+        microbatches and, where ranks share cores, waiting for one."""
+        if not self.events:
+            raise ValueError("this timeline has no events (was the step run with record=True?)")
+        queues: Dict[int, List[Dict[str, Any]]] = {}
+        for e in sorted(self.events, key=lambda e: e["start"]):
+            queues.setdefault(e["rank"], []).append(e)
+        last = max(e["stage"] for e in self.events)
+        done: Dict[Tuple[str, int, int], float] = {}
+        clock = {r: 0.0 for r in queues}
+        busy = {r: 0.0 for r in queues}
+        while any(queues.values()):
+            moved = False
+            for rank, queue in queues.items():
+                while queue:
+                    e = queue[0]
+                    s, i = e["stage"], e["microbatch"]
+                    need = (("forward", s - 1, i) if s > 0 else None) if e["kind"] == "forward" \
+                        else ("backward", s + 1, i) if s < last else ("forward", s, i)
+                    if need is not None and need not in done:
+                        break
+                    took = e["end"] - e["start"]
+                    clock[rank] = max(clock[rank], done[need] if need else 0.0) + took
+                    busy[rank] += took
+                    done.setdefault((e["kind"], s, i), clock[rank])
+                    queue.pop(0)
+                    moved = True
+            if not moved:
+                raise ValueError("replay(): the recorded events do not form one whole step "
+                                 "(a microbatch's forward or backward is missing on a stage)")
+        span = max(clock.values())
+        per_rank = {r: 1.0 - b / span for r, b in sorted(busy.items())}
+        return {"bubble": sum(per_rank.values()) / len(per_rank), "makespan_s": span,
+                "per_rank": per_rank}
+
     def rows(self) -> List[Dict[str, Any]]:
         """Per rank: ``stages``, mean ``forward_s`` / ``backward_s`` per microbatch, ``busy_s``,
         ``idle_s``, ``idle`` (share of the makespan) and ``in_flight`` (:meth:`in_flight`)."""
@@ -162,6 +203,10 @@ class Timeline:
                  f"flight: most microbatches whose activations the rank held at once",
                  f"bubble: measured {b['measured']:.1%} of a {b['makespan_s'] * 1e3:.2f} ms step "
                  f"(mean idle share over ranks), theory {theory_text}: {b['formula']}"]
+        whole = {(e["kind"], e["stage"], e["microbatch"]) for e in self.events}
+        if len(whole) == 2 * self.num_stages * self.microbatches:  # every rank's events
+            notes.append(f"this step's order and compute replayed with free sends and a core "
+                         f"per rank (Timeline.replay): bubble {self.replay()['bubble']:.1%}")
         return TableView(self.rows(), cols, notes)
 
     def __repr__(self) -> str:
