@@ -13,6 +13,7 @@ A :class:`Timeline` is plain data (picklable): return it from the ranks and
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -129,19 +130,25 @@ class Timeline:
                 "makespan_s": total}
 
     def replay(self) -> Dict[str, Any]:
-        """The schedule's own bubble for this step: every rank runs its events in the recorded
-        order, each taking its measured time, and starts one as soon as its input is there (a
+        """The schedule's own bubble with this model's stages: every rank runs its events in
+        the recorded order, each taking its stage's median time for that kind (forward or
+        backward, over the timeline's events), and starts one as soon as its input is there (a
         forward after the previous stage's forward of the microbatch, a backward after the next
-        stage's backward, or the last stage's own forward): sends are free and every rank has a
-        core. Returns ``bubble`` (mean idle share), ``makespan_s`` and ``per_rank``; what
-        :meth:`bubble` measures above it went to sends, the schedule's own work between
-        microbatches and, where ranks share cores, waiting for one."""
+        stage's backward, or the last stage's own forward): sends are free, every rank has a
+        core and nothing else runs. Returns ``bubble`` (mean idle share), ``makespan_s`` and
+        ``per_rank``. What :meth:`bubble` measures above it went to sends, the schedule's own
+        work between microbatches, slow outliers and, where ranks share cores, waiting for one.
+        Medians keep one preempted microbatch from moving the figure."""
         if not self.events:
             raise ValueError("this timeline has no events (was the step run with record=True?)")
         queues: Dict[int, List[Dict[str, Any]]] = {}
         for e in sorted(self.events, key=lambda e: e["start"]):
             queues.setdefault(e["rank"], []).append(e)
         last = max(e["stage"] for e in self.events)
+        times: Dict[Tuple[str, int], List[float]] = {}
+        for e in self.events:
+            times.setdefault((e["kind"], e["stage"]), []).append(e["end"] - e["start"])
+        typical = {k: statistics.median(v) for k, v in times.items()}
         done: Dict[Tuple[str, int, int], float] = {}
         clock = {r: 0.0 for r in queues}
         busy = {r: 0.0 for r in queues}
@@ -155,7 +162,7 @@ class Timeline:
                         else ("backward", s + 1, i) if s < last else ("forward", s, i)
                     if need is not None and need not in done:
                         break
-                    took = e["end"] - e["start"]
+                    took = typical[e["kind"], s]
                     clock[rank] = max(clock[rank], done[need] if need else 0.0) + took
                     busy[rank] += took
                     done.setdefault((e["kind"], s, i), clock[rank])
@@ -205,8 +212,8 @@ class Timeline:
                  f"(mean idle share over ranks), theory {theory_text}: {b['formula']}"]
         whole = {(e["kind"], e["stage"], e["microbatch"]) for e in self.events}
         if len(whole) == 2 * self.num_stages * self.microbatches:  # every rank's events
-            notes.append(f"this step's order and compute replayed with free sends and a core "
-                         f"per rank (Timeline.replay): bubble {self.replay()['bubble']:.1%}")
+            notes.append(f"this order replayed with each stage's median times, free sends and a "
+                         f"core per rank (Timeline.replay): bubble {self.replay()['bubble']:.1%}")
         return TableView(self.rows(), cols, notes)
 
     def __repr__(self) -> str:

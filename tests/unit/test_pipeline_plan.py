@@ -113,6 +113,9 @@ def test_replay_gives_the_order_s_own_bubble_without_the_waits():
     assert tl.bubble()["measured"] > 0.6
     assert tl.replay()["bubble"] == pytest.approx(1 / 5) and tl.replay()["makespan_s"] == 10
     assert Timeline.merge(ideal_gpipe(4, 8)).replay()["bubble"] == pytest.approx(3 / 11)
+    slow = one_f_one_b()
+    slow.events[0]["end"] += 50.0  # one preempted forward: the median ignores it
+    assert slow.replay()["bubble"] == pytest.approx(1 / 5)
     mixed = interleaved_torch_order()
     assert mixed.replay()["bubble"] == pytest.approx(1 / 9) == mixed.bubble()["theory"]
     mixed.events = [e for e in mixed.events if (e["stage"], e["kind"]) != (1, "forward")]
