@@ -129,7 +129,7 @@ class Timeline:
                 "theory": value, "formula": formula, "per_rank": per_rank,
                 "makespan_s": total}
 
-    def replay(self) -> Dict[str, Any]:
+    def replay(self, times_from: Optional[Iterable["Timeline"]] = None) -> Dict[str, Any]:
         """The schedule's own bubble with this model's stages: every rank runs its events in
         the recorded order, each taking its stage's median time for that kind (forward or
         backward, over the timeline's events), and starts one as soon as its input is there (a
@@ -138,7 +138,9 @@ class Timeline:
         core and nothing else runs. Returns ``bubble`` (mean idle share), ``makespan_s`` and
         ``per_rank``. What :meth:`bubble` measures above it went to sends, the schedule's own
         work between microbatches, slow outliers and, where ranks share cores, waiting for one.
-        Medians keep one preempted microbatch from moving the figure."""
+        Medians keep one preempted microbatch from moving the figure; ``times_from`` (several
+        recorded steps of the same pipeline, e.g. this one among them) takes them over all of
+        their events, which steadies them further on a busy machine."""
         if not self.events:
             raise ValueError("this timeline has no events (was the step run with record=True?)")
         queues: Dict[int, List[Dict[str, Any]]] = {}
@@ -146,7 +148,7 @@ class Timeline:
             queues.setdefault(e["rank"], []).append(e)
         last = max(e["stage"] for e in self.events)
         times: Dict[Tuple[str, int], List[float]] = {}
-        for e in self.events:
+        for e in (e for t in (times_from or [self]) for e in t.events):
             times.setdefault((e["kind"], e["stage"]), []).append(e["end"] - e["start"])
         typical = {k: statistics.median(v) for k, v in times.items()}
         done: Dict[Tuple[str, int, int], float] = {}
@@ -162,7 +164,10 @@ class Timeline:
                         else ("backward", s + 1, i) if s < last else ("forward", s, i)
                     if need is not None and need not in done:
                         break
-                    took = typical[e["kind"], s]
+                    took = typical.get((e["kind"], s))
+                    if took is None:
+                        raise ValueError(f"replay(): times_from has no {e['kind']} of stage {s}: "
+                                         f"pass recorded steps of the same pipeline")
                     clock[rank] = max(clock[rank], done[need] if need else 0.0) + took
                     busy[rank] += took
                     done.setdefault((e["kind"], s, i), clock[rank])

@@ -116,6 +116,10 @@ def test_replay_gives_the_order_s_own_bubble_without_the_waits():
     slow = one_f_one_b()
     slow.events[0]["end"] += 50.0  # one preempted forward: the median ignores it
     assert slow.replay()["bubble"] == pytest.approx(1 / 5)
+    assert one_f_one_b().replay(times_from=[slow, one_f_one_b()])["bubble"] == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="replay\\(\\): times_from has no forward of stage 0"):
+        one_f_one_b().replay(times_from=[Timeline(
+            "1f1b", 4, 2, 2, [e for e in one_f_one_b().events if e["stage"] == 1])])
     mixed = interleaved_torch_order()
     assert mixed.replay()["bubble"] == pytest.approx(1 / 9) == mixed.bubble()["theory"]
     mixed.events = [e for e in mixed.events if (e["stage"], e["kind"]) != (1, "forward")]
