@@ -174,15 +174,21 @@ def test_beyond_data_parallel(tmp_path):
              "image" if "image/png" in o.get("data", {}) else "other" for o in code[11].outputs]
     collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
     assert collapsed == ["text", "image"] * 3, kinds  # each Gantt chart under its bubble line
-    # the lessons: GPipe holds every microbatch, 1F1B p - rank (from the order of events); the
-    # schedule's own bubble, replayed from median stage times, is smallest when interleaved
+    # the lesson that holds whatever the load: GPipe holds every microbatch's activations, 1F1B
+    # p - rank (from the order of events alone). Which bubble is smallest is timing: on 2 cores
+    # shared with other work even the replayed order of medians came out with interleaved's 1
+    # point below GPipe's, so the test checks that each verdict says what its own numbers say.
     verdict = out[12]
     assert "GPipe {0: 4, 1: 4}, 1F1B {0: 2, 1: 1}" in verdict
-    assert "interleaved's is the smallest of the three" in verdict, verdict
-    measured = re.search(r"measured: interleaved (\d+)%, 1F1B (\d+)%: interleaved's is (not )?", verdict)
-    assert measured, verdict  # the sentence says what its own numbers say
-    assert (measured.group(3) is None) == (int(measured.group(1)) < int(measured.group(2))) or \
-        measured.group(1) == measured.group(2)
+    replayed = re.search(r"\(replayed\): interleaved (\d+)%, 1F1B (\d+)%, GPipe (\d+)%: "
+                         r"interleaved's is (not )?the smallest", verdict)
+    measured = re.search(r"measured: interleaved (\d+)%, 1F1B (\d+)%: interleaved's is (not )?",
+                         verdict)
+    assert replayed and measured, verdict
+    inter, others = int(replayed.group(1)), (int(replayed.group(2)), int(replayed.group(3)))
+    assert (replayed.group(4) is None) == (inter < min(others)) or inter == min(others), verdict
+    inter, one = int(measured.group(1)), int(measured.group(2))
+    assert (measured.group(3) is None) == (inter < one) or inter == one, verdict
     assert "the wall-clock step took" in verdict and "with 24 sends" in verdict
 
 
