@@ -13,6 +13,7 @@ A :class:`Timeline` is plain data (picklable): return it from the ranks and
 from __future__ import annotations
 
 import functools
+import statistics
 import time
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
@@ -96,6 +97,21 @@ class Timeline:
             busy[e["rank"]] = busy.get(e["rank"], 0.0) + e["end"] - e["start"]
         return busy
 
+    def in_flight(self) -> Dict[int, int]:
+        """Per rank, the most microbatches whose activations it held at once: forwards run
+        whose backward has not finished (all ``m`` for GPipe, at most ``p - rank`` for 1F1B).
+        It follows from the order of the rank's events alone, so it does not depend on timing."""
+        peak: Dict[int, int] = {r: 0 for r in self.spans}
+        held: Dict[int, set] = {}
+        for e in sorted(self.events, key=lambda e: (e["rank"], e["end"])):
+            mine, key = held.setdefault(e["rank"], set()), (e["stage"], e["microbatch"])
+            if e["kind"] == "forward":
+                mine.add(key)
+            else:
+                mine.discard(key)
+            peak[e["rank"]] = max(peak.get(e["rank"], 0), len(mine))
+        return peak
+
     def bubble(self) -> Dict[str, Any]:
         """The measured bubble next to the schedule's: ``measured`` (mean over ranks of the idle
         share of the makespan -- waiting for a neighbour's activation or gradient, the gloo
@@ -113,10 +129,63 @@ class Timeline:
                 "theory": value, "formula": formula, "per_rank": per_rank,
                 "makespan_s": total}
 
+    def replay(self, times_from: Optional[Iterable["Timeline"]] = None) -> Dict[str, Any]:
+        """The schedule's own bubble with this model's stages: every rank runs its events in
+        the recorded order, each taking its stage's median time for that kind (forward or
+        backward, over the timeline's events), and starts one as soon as its input is there (a
+        forward after the previous stage's forward of the microbatch, a backward after the next
+        stage's backward, or the last stage's own forward): sends are free, every rank has a
+        core and nothing else runs. Returns ``bubble`` (mean idle share), ``makespan_s`` and
+        ``per_rank``. What :meth:`bubble` measures above it went to sends, the schedule's own
+        work between microbatches, slow outliers and, where ranks share cores, waiting for one.
+        Medians keep one preempted microbatch from moving the figure; ``times_from`` (several
+        recorded steps of the same pipeline, e.g. this one among them) takes them over all of
+        their events, which steadies them further on a busy machine."""
+        if not self.events:
+            raise ValueError("this timeline has no events (was the step run with record=True?)")
+        queues: Dict[int, List[Dict[str, Any]]] = {}
+        for e in sorted(self.events, key=lambda e: e["start"]):
+            queues.setdefault(e["rank"], []).append(e)
+        last = max(e["stage"] for e in self.events)
+        times: Dict[Tuple[str, int], List[float]] = {}
+        for e in (e for t in (times_from or [self]) for e in t.events):
+            times.setdefault((e["kind"], e["stage"]), []).append(e["end"] - e["start"])
+        typical = {k: statistics.median(v) for k, v in times.items()}
+        done: Dict[Tuple[str, int, int], float] = {}
+        clock = {r: 0.0 for r in queues}
+        busy = {r: 0.0 for r in queues}
+        while any(queues.values()):
+            moved = False
+            for rank, queue in queues.items():
+                while queue:
+                    e = queue[0]
+                    s, i = e["stage"], e["microbatch"]
+                    need = (("forward", s - 1, i) if s > 0 else None) if e["kind"] == "forward" \
+                        else ("backward", s + 1, i) if s < last else ("forward", s, i)
+                    if need is not None and need not in done:
+                        break
+                    took = typical.get((e["kind"], s))
+                    if took is None:
+                        raise ValueError(f"replay(): times_from has no {e['kind']} of stage {s}: "
+                                         f"pass recorded steps of the same pipeline")
+                    clock[rank] = max(clock[rank], done[need] if need else 0.0) + took
+                    busy[rank] += took
+                    done.setdefault((e["kind"], s, i), clock[rank])
+                    queue.pop(0)
+                    moved = True
+            if not moved:
+                raise ValueError("replay(): the recorded events do not form one whole step "
+                                 "(a microbatch's forward or backward is missing on a stage)")
+        span = max(clock.values())
+        per_rank = {r: 1.0 - b / span for r, b in sorted(busy.items())}
+        return {"bubble": sum(per_rank.values()) / len(per_rank), "makespan_s": span,
+                "per_rank": per_rank}
+
     def rows(self) -> List[Dict[str, Any]]:
         """Per rank: ``stages``, mean ``forward_s`` / ``backward_s`` per microbatch, ``busy_s``,
-        ``idle_s`` and ``idle`` (share of the makespan)."""
+        ``idle_s``, ``idle`` (share of the makespan) and ``in_flight`` (:meth:`in_flight`)."""
         begin, end = self.window
+        held = self.in_flight()
         out = []
         for rank, busy in sorted(self._busy().items()):
             mine = [e for e in self.events if e["rank"] == rank]
@@ -127,7 +196,7 @@ class Timeline:
                         "forward_s": sum(fwd) / len(fwd) if fwd else None,
                         "backward_s": sum(bwd) / len(bwd) if bwd else None,
                         "busy_s": busy, "idle_s": (end - begin) - busy,
-                        "idle": 1.0 - busy / (end - begin)})
+                        "idle": 1.0 - busy / (end - begin), "in_flight": held.get(rank, 0)})
         return out
 
     def table(self) -> TableView:
@@ -138,12 +207,18 @@ class Timeline:
                 Column("backward_s", "backward", "time", group="mb"),
                 Column("busy_s", "busy", "time", group="step"),
                 Column("idle_s", "idle", "time", group="step"),
-                Column("idle", "idle share", "fraction", decimals=1)]
+                Column("idle", "idle share", "fraction", decimals=1),
+                Column("in_flight", "peak in flight (mb)", "number")]
         theory_text = "not computed" if b["theory"] is None else f"{b['theory']:.1%}"
         notes = [f"{self.schedule}, {self.microbatches} microbatches, {self.ranks} ranks, "
-                 f"{self.num_stages} stages; forward/backward: mean per microbatch",
+                 f"{self.num_stages} stages; forward/backward: mean per microbatch; peak in "
+                 f"flight: most microbatches whose activations the rank held at once",
                  f"bubble: measured {b['measured']:.1%} of a {b['makespan_s'] * 1e3:.2f} ms step "
                  f"(mean idle share over ranks), theory {theory_text}: {b['formula']}"]
+        whole = {(e["kind"], e["stage"], e["microbatch"]) for e in self.events}
+        if len(whole) == 2 * self.num_stages * self.microbatches:  # every rank's events
+            notes.append(f"this order replayed with each stage's median times, free sends and a "
+                         f"core per rank (Timeline.replay): bubble {self.replay()['bubble']:.1%}")
         return TableView(self.rows(), cols, notes)
 
     def __repr__(self) -> str:

@@ -243,6 +243,10 @@ def test_timeline_times_every_microbatch_on_every_rank(shared_group, schedule):
     b = tl.bubble()
     assert b["theory"] == pytest.approx(1 / 5 if stages == 2 else 1 / 9)
     assert 0 <= b["measured"] < 1 and sorted(b["per_rank"]) == [0, 1]
+    assert 0 <= tl.replay()["bubble"] < 1
+    held = {"gpipe": {0: 4, 1: 4}, "1f1b": {0: 2, 1: 1}}  # GPipe holds all m; 1F1B p - rank
+    if schedule in held:
+        assert tl.in_flight() == held[schedule]
     text = repr(tl)
     assert "idle share (%)" in text and "bubble: measured" in text
     assert "<table>" in tl._repr_html_()

@@ -59,6 +59,74 @@ def test_an_ideal_schedule_measures_its_theory(p, m):
     assert f"theory {(p - 1) / (m + p - 1):.1%}: (p-1)/(m+p-1)" in tl.table().text()
 
 
+def one_f_one_b(m=4):
+    """Two ranks under 1F1B, every event 1 long: rank 0 runs two forwards before its first
+    backward, rank 1 (the last stage) alternates from the start."""
+    order = {0: "f0 f1 b0 f2 b1 f3 b2 b3", 1: "f0 b0 f1 b1 f2 b2 f3 b3"}
+    parts = []
+    for r, ops in order.items():
+        events = [dict(rank=r, stage=r, microbatch=int(op[1]),
+                       kind="forward" if op[0] == "f" else "backward", start=float(i),
+                       end=i + 1.0) for i, op in enumerate(ops.split())]
+        parts.append(Timeline("1f1b", m, 2, 2, events, {r: (0.0, 2.0 * m)}))
+    return Timeline.merge(parts)
+
+
+def test_peak_activations_in_flight_follow_the_order_of_events():
+    assert Timeline.merge(ideal_gpipe(4, 8)).in_flight() == {0: 8, 1: 8, 2: 8, 3: 8}
+    tl = one_f_one_b()
+    assert tl.in_flight() == {0: 2, 1: 1}  # p - rank
+    assert [r["in_flight"] for r in tl.rows()] == [2, 1]
+    assert "peak in flight (mb)" in tl.table().text()
+
+
+def spread(tl, gap):
+    """The same step with ``gap`` of waiting (a slow send) before every event."""
+    for r in {e["rank"] for e in tl.events}:
+        for n, e in enumerate(sorted((e for e in tl.events if e["rank"] == r),
+                                     key=lambda e: e["start"])):
+            e["start"] += n * gap
+            e["end"] += n * gap
+    return tl
+
+
+def interleaved_torch_order():
+    """Rank r runs stages r and r + 2, in the order torch's Interleaved1F1B gives for p=2,
+    m=4; a forward takes 1, a backward 2."""
+    order = {0: "F00 F01 F20 F21 F02 B20 F03 B21 F22 B00 F23 B01 B22 B23 B02 B03",
+             1: "F10 F11 F30 B30 F31 B31 F12 B10 F13 B11 F32 B32 F33 B33 B12 B13"}
+    parts = []
+    for r, ops in order.items():
+        t, events = 0.0, []
+        for op in ops.split():
+            took = 1.0 if op[0] == "F" else 2.0
+            events.append(dict(rank=r, stage=int(op[1]), microbatch=int(op[2]),
+                               kind="forward" if op[0] == "F" else "backward", start=t,
+                               end=t + took))
+            t += took
+        parts.append(Timeline("interleaved1f1b", 4, 2, 4, events, {r: (0.0, t)}))
+    return Timeline.merge(parts)
+
+
+def test_replay_gives_the_order_s_own_bubble_without_the_waits():
+    tl = spread(one_f_one_b(), gap=3.0)  # every event after 3 of waiting: measured >> theory
+    assert tl.bubble()["measured"] > 0.6
+    assert tl.replay()["bubble"] == pytest.approx(1 / 5) and tl.replay()["makespan_s"] == 10
+    assert Timeline.merge(ideal_gpipe(4, 8)).replay()["bubble"] == pytest.approx(3 / 11)
+    slow = one_f_one_b()
+    slow.events[0]["end"] += 50.0  # one preempted forward: the median ignores it
+    assert slow.replay()["bubble"] == pytest.approx(1 / 5)
+    assert one_f_one_b().replay(times_from=[slow, one_f_one_b()])["bubble"] == pytest.approx(1 / 5)
+    with pytest.raises(ValueError, match="replay\\(\\): times_from has no forward of stage 0"):
+        one_f_one_b().replay(times_from=[Timeline(
+            "1f1b", 4, 2, 2, [e for e in one_f_one_b().events if e["stage"] == 1])])
+    mixed = interleaved_torch_order()
+    assert mixed.replay()["bubble"] == pytest.approx(1 / 9) == mixed.bubble()["theory"]
+    mixed.events = [e for e in mixed.events if (e["stage"], e["kind"]) != (1, "forward")]
+    with pytest.raises(ValueError, match="replay\\(\\): the recorded events do not form one"):
+        mixed.replay()
+
+
 def test_theory_of_each_schedule():
     assert theory("1f1b", 8, 2)[0] == pytest.approx(1 / 9)
     value, formula = theory("interleaved1f1b", 4, 2, 2)

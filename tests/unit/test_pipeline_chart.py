@@ -1,0 +1,98 @@
+"""The pipeline Gantt chart is readable: numbers only on bars they fit, in an ink that reads on
+the bar, both shades of an interleaved chart in the legend, units on the time axis, no text
+overlapping other text (issue 28)."""
+import itertools
+
+import pytest
+
+from nbdist.parallel import Timeline
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.colors import to_hex, to_rgb  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def interleaved(p=2, m=4, short=0.02):
+    """Rank r runs stages r and r + p; every stage-p+ backward is ``short`` long (thin bars)."""
+    parts = []
+    for r in range(p):
+        t, events = 0.0, []
+        for stage in (r, r + p):
+            for i in range(m):
+                for kind, length in (("forward", 1.0), ("backward", short if stage >= p else 2.0)):
+                    events.append(dict(rank=r, stage=stage, microbatch=i, kind=kind, start=t,
+                                       end=t + length))
+                    t += length + 0.1
+        parts.append(Timeline("interleaved1f1b", m, p, 2 * p, events, {r: (0.0, t)}))
+    return Timeline.merge(parts)
+
+
+def contrast(a, b):
+    """WCAG contrast ratio of two colours."""
+    def lum(colour):
+        r, g, b = (c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4
+                   for c in to_rgb(colour))
+        return 0.2126 * r + 0.7152 * g + 0.0722 * b
+    hi, lo = sorted((lum(a), lum(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+def _bars(ax):
+    return [p for p in ax.patches if p.get_width() > 0]
+
+
+def _texts(ax):
+    return [t for t in ax.texts if t.get_text()]
+
+
+def test_numbers_only_on_bars_they_fit_in_an_ink_that_reads():
+    tl = interleaved()
+    ax = tl.plot()
+    fig = ax.figure
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    bars, labels = _bars(ax), _texts(ax)
+    assert len(bars) == len(tl.events) == 32
+    assert len(labels) == 24  # the 8 thin backward bars carry no number
+    for text in labels:
+        box = text.get_window_extent(renderer)
+        holder = [b for b in bars if b.get_window_extent(renderer).contains(*box.get_points()[0])
+                  and b.get_window_extent(renderer).contains(*box.get_points()[1])]
+        assert holder, f"label {text.get_text()!r} is not inside a bar"
+        face = to_hex(holder[0].get_facecolor())
+        assert contrast(face, text.get_color()) >= 4.5, (face, text.get_color())  # WCAG AA
+    plt.close(fig)
+
+
+def test_interleaved_shades_are_in_the_legend_and_time_has_a_unit():
+    ax = interleaved().plot()
+    names = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert names == ["forward, stage r", "backward, stage r", "forward, stage r+2",
+                     "backward, stage r+2"]
+    faces = [to_hex(h.get_facecolor()) for h in ax.get_legend().legend_handles]
+    assert len(set(faces)) == 4
+    assert faces[2:] == sorted({to_hex(p.get_facecolor()) for p in _bars(ax)} - set(faces[:2]))
+    assert "(ms)" in ax.get_xlabel()
+    plt.close(ax.figure)
+
+
+@pytest.mark.parametrize("width", [9, 6.4])
+def test_no_text_overlaps_other_text(width):
+    tl = interleaved()
+    fig, ax = plt.subplots(figsize=(width, 2.8))
+    tl.plot(ax=ax)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    texts = [ax.title, ax._left_title, ax.xaxis.label, *ax.get_legend().get_texts(),
+             *ax.get_yticklabels(), *ax.get_xticklabels(), *_texts(ax)]
+    boxes = [(t.get_text(), t.get_window_extent(renderer)) for t in texts
+             if t.get_text() and t.get_visible()]
+    legend = ax.get_legend().get_window_extent(renderer)
+    title = ax._left_title.get_window_extent(renderer)
+    assert not title.overlaps(legend), (title, legend)
+    for (a, box_a), (b, box_b) in itertools.combinations(boxes, 2):
+        assert not box_a.overlaps(box_b), (a, b)
+    plt.close(fig)
