@@ -209,9 +209,9 @@ FIGURES = {
     "mesh dp x tp (10)": lambda: mesh_layouts()[0].plot(),
     "mesh pp x dp x tp": lambda: mesh_layouts()[1].plot(),
     "pipeline gpipe (10)": _pipeline("gpipe"),
+    "pipeline interleaved (10)": _pipeline("interleaved1f1b"),
 }
 OWNED_FIGURES = {  # fail today: the changes under way to these figures make them pass
-    "pipeline interleaved (10)": _pipeline("interleaved1f1b"),
     "live view (08)": _saved(_live),
 }
 

@@ -5,9 +5,10 @@ carry none. Takes the timeline and ``ax=None``; returns the Axes it drew on (no 
 """
 from __future__ import annotations
 
-import matplotlib.pyplot as plt
 from matplotlib.colors import to_rgb
 from matplotlib.patches import Patch
+
+from . import style
 
 _COLOURS = {"forward": "#4c72b0", "backward": "#dd8452"}
 _LIGHT = {"forward": "#a7bce0", "backward": "#f3c8a8"}  # a rank's later stages (interleaved)
@@ -45,6 +46,7 @@ def _legend(ax, ranks: int, later: bool):
     return (len(handles) + 1) // 2  # rows of the legend, above the axes
 
 
+@style.styled
 def plot_pipeline(timeline, ax=None):
     """Per-rank bars of forward (blue) and backward (orange) of every microbatch against time
     (ms from the first compute of the step); a rank's later stages (interleaved schedules) in a
@@ -55,7 +57,7 @@ def plot_pipeline(timeline, ax=None):
                          "and merge them with Timeline.merge(...)")
     ranks = sorted({e["rank"] for e in timeline.events})
     if ax is None:
-        _, ax = plt.subplots(figsize=(9, 0.6 * len(ranks) + 2.0))
+        _, ax = style.new_figure(0.6 * len(ranks) + 2.0)
     begin, end = timeline.window
     first_stage = {}
     for e in timeline.events:
