@@ -115,8 +115,10 @@ def test_the_step_split_per_rank_and_its_panel():
     assert m.split() == {0: (0.01, 0.005), 1: (0.03, 0.005), 2: (0.01, 0.005)}
     ax = plot_step_split(m, ax=Figure().subplots())
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
-    assert [t.get_text().strip() for t in ax.texts] == ["straggler (3.00x)"]
-    assert ax.get_title() == "step split, median of the last 20 steps"
+    assert [t.get_text() for t in ax.texts] == ["rank 1: straggler (compute 3.00× the median)"]
+    assert ax.get_title(loc="left") == "step time per rank, median of the last 20 steps"
+    # 35 ms at most: in ms; every rank's communication takes the same: no waiting to point out
+    assert ax.get_xlabel() == "time per step (ms)"
     with pytest.raises(ValueError, match="plot_step_split\\(\\) found no step times: wrap each "
                                          "step in `with nbdist.step\\(i\\):` on the ranks"):
         plot_step_split(_metrics())
