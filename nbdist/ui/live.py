@@ -120,13 +120,20 @@ class Watch:
         return (f"stalled: nothing logged or printed and no collective completed for "
                 f"{quiet:.0f} s (nothing was killed); where the ranks are:\n{stalled.summary()}")
 
-    def _figure_bundle(self) -> dict:
-        text = repr(self.job)
+    def figure(self):
+        """The figure as the view draws it now (a ``matplotlib.figure.Figure``), or ``None``
+        while nothing was logged."""
         if not len(self.job.metrics):
-            return {"text/plain": text + "\n(nothing logged yet: nbdist.log on the ranks)"}
+            return None
         from .plots.metrics import live_figure
 
-        fig = live_figure(self.job.metrics, note=self._note())
+        return live_figure(self.job.metrics, note=self._note())
+
+    def _figure_bundle(self) -> dict:
+        text = repr(self.job)
+        fig = self.figure()
+        if fig is None:
+            return {"text/plain": text + "\n(nothing logged yet: nbdist.log on the ranks)"}
         buf = io.BytesIO()
         fig.savefig(buf, format="png", dpi=100)
         return {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"), "text/plain": text}

@@ -1,0 +1,38 @@
+"""The live view, the progress bar of ``%dist_wait`` and ``%dist_jobs`` as a reader sees them
+(issues 27 and 28), through a real IPython shell and real ranks."""
+import time
+
+import pytest
+
+import nbdist
+
+pytestmark = pytest.mark.timeout(120)
+
+STALLS = ("import time, nbdist\n"
+          "nbdist.log(step=0, loss=1.0)\n"
+          "if rank == 1:\n"
+          "    time.sleep(8)\n"
+          "dist.all_reduce(torch.ones(4))\n"
+          "rank")
+
+
+def test_a_stalled_jobs_live_view_says_so_and_where_the_ranks_are(shell):
+    pytest.importorskip("ipywidgets")
+    from nbdist.ui.live import Watch
+
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=2) as g:
+        job = g.submit_exec(STALLS)
+        view = Watch(job)  # not shown: the test reads what it would show
+        deadline = time.monotonic() + 7  # stall=2: noticed within a few seconds, before rank 1 wakes
+        while job.state != "stalled" and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert job.state == "stalled", job.describe()
+        view.refresh()  # not shown: only the status line is brought up to date
+        status = view.status.value
+        assert "stalled" in status and "rank 1 never reached collective #1" in status, status
+        title = view.figure().get_suptitle()
+        assert title.startswith("stalled: nothing logged or printed and no collective completed "
+                                "for ") and "(nothing was killed)" in title, title
+        assert "rank 1 never reached collective #1" in title, title
+        assert job.wait(30) and job.result() == [0, 1]
+        assert view.figure().get_suptitle() == ""  # over: no note any more
