@@ -36,3 +36,22 @@ def test_a_stalled_jobs_live_view_says_so_and_where_the_ranks_are(shell):
         assert "rank 1 never reached collective #1" in title, title
         assert job.wait(30) and job.result() == [0, 1]
         assert view.figure().get_suptitle() == ""  # over: no note any more
+
+
+def _jobs_table(shell):
+    from IPython.utils.capture import capture_output
+
+    with capture_output() as out:
+        shell.run_line_magic("dist_jobs", "")
+    return out.outputs[-1].data["text/html"]
+
+
+def test_dist_jobs_says_the_last_step_of_each_rank_or_that_none_was_logged(shell, dist_group):
+    job = shell.run_cell_magic("dist", "--bg starting -q",
+                               "import time, nbdist\ntime.sleep(1)\nfor i in range(5):\n"
+                               "    nbdist.log(step=i, loss=1.0)")
+    table = _jobs_table(shell)  # the ranks are still in their first second: nothing logged
+    assert "<td>starting</td><td>running</td>" in table and \
+        "<td>none logged yet</td>" in table, table
+    assert job.wait(30)
+    assert "<td>rank 0: 4, rank 1: 4</td>" in _jobs_table(shell)

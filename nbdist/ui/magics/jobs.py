@@ -14,6 +14,7 @@ from IPython.display import publish_display_data
 
 from ...runtime.jobs import Job
 from ..live import finish_views
+from ..progress import wait_with_bar
 from .base import (JOBS, NbdistMagics, _rank_list, _seconds, job_name,  # noqa: F401
                    register_magics, usage)
 
@@ -78,7 +79,7 @@ class JobMagics(NbdistMagics):
         args = self.parse(self.dist_wait, line)
         job = find_job(args.name)
         try:
-            _wait_with_bar(job)
+            wait_with_bar(job)
         except KeyboardInterrupt:
             print(f"nbdist: stopped waiting; job {job.name!r} is still running "
                   f"(job.interrupt() stops it).")
@@ -109,21 +110,10 @@ class JobMagics(NbdistMagics):
 
 
 def _steps(job: Job) -> str:
+    """The last step each rank logged, or that none was logged (yet)."""
     steps = job.metrics.last_step()
-    return ", ".join(f"{r}: {s}" for r, s in sorted(steps.items()) if s is not None)
-
-
-def _wait_with_bar(job: Job) -> None:
-    if job.wait(0.3):
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(desc=f"job {job.name}", unit="step") as bar:
-        while not job.wait(0.3):
-            steps = [s for s in job.metrics.last_step().values() if s is not None]
-            if steps:
-                bar.n = min(steps) + 1  # the slowest rank's progress
-                bar.refresh()
+    text = ", ".join(f"rank {r}: {s}" for r, s in sorted(steps.items()) if s is not None)
+    return text or ("none logged yet" if job.running() else "none logged")
 
 
 __all__ = ["JOBS", "JobMagics", "find_job", "job_name", "usage"]
