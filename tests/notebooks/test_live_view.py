@@ -55,3 +55,24 @@ def test_dist_jobs_says_the_last_step_of_each_rank_or_that_none_was_logged(shell
         "<td>none logged yet</td>" in table, table
     assert job.wait(30)
     assert "<td>rank 0: 4, rank 1: 4</td>" in _jobs_table(shell)
+
+
+def test_what_a_job_prints_after_its_cell_ended_stays_under_that_cell_in_a_saved_notebook(
+        tmp_path):
+    """nbclient (as ``jupyter nbconvert --execute``) keeps only the messages of the cell running
+    at that moment: the job's lines, printed a second after its cell ended, must still be there."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(source) for source in (
+        "%load_ext nbdist\n%dist_start -n 2",
+        "%%dist --bg late -q\nimport time\ntime.sleep(1)\nprint('hello from the job')",
+        "print('the next cell')",
+        "%dist_wait late",
+        "%dist_stop")])
+    NotebookClient(nb, timeout=120, kernel_name="python3",
+                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+    texts = ["".join(o.get("text", "") + o.get("data", {}).get("text/plain", "")
+                     for o in cell.outputs) for cell in nb.cells]
+    assert "[ranks 0, 1] hello from the job" in texts[1], texts
+    assert not any("hello from the job" in t for i, t in enumerate(texts) if i != 1), texts

@@ -13,6 +13,7 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
 from ...runtime.jobs import Job
+from ..joboutput import finish as finish_output
 from ..live import finish_views
 from ..progress import wait_with_bar
 from .base import (JOBS, NbdistMagics, _rank_list, _seconds, job_name,  # noqa: F401
@@ -85,6 +86,7 @@ class JobMagics(NbdistMagics):
                   f"(job.interrupt() stops it).")
             return None
         finish_views(job)  # each live view of the job draws its final figure first
+        finish_output(job)  # and the display of what its ranks printed is complete
         values = job.result()
         if not args.quiet:
             show = self.shell.display_formatter.format
