@@ -13,18 +13,11 @@ import math
 from typing import List, Optional, Sequence, Tuple
 
 from ...errors import ranks_phrase
-from ...report.units import format_time, percentile
+from ...report.units import format_time, percentile, seconds_per_unit
 
 MAX_POINTS = 2000  #: points drawn per rank and scalar; more are thinned evenly
-_SUFFIXES = (("_ms", 1e-3), ("_us", 1e-6), ("_ns", 1e-9), ("_s", 1.0))
 _UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 NOTE_WIDTH = 110  #: characters per line of the live figure's note; longer lines are cut
-
-
-def seconds_per_unit(name: str) -> Optional[float]:
-    """Seconds in one unit of scalar ``name``, from its suffix (``step_s``: 1, ``data_ms``: 1e-3);
-    ``None`` where the name says it is not a time."""
-    return next((scale for suffix, scale in _SUFFIXES if name.endswith(suffix)), None)
 
 
 def time_unit(seconds: float) -> Tuple[str, float]:
