@@ -72,6 +72,9 @@ Threading model
     *Widget poller* (``nbdist-launcher-status``, one per launcher panel) and *live view*
     (``nbdist-watch-NAME``, one per watched job), in :mod:`nbdist.ui`: they only read --
     ``status()``, ``job.metrics``, ``job.output`` -- and survive an error in one refresh.
+    *Job output timer* (``nbdist-job-output-NAME``, in :mod:`nbdist.ui.joboutput`, for a moment
+    after a job's line): sends the display of the job's output again once lines stop coming
+    faster than five times a second; it takes only that display's own lock.
     *Any thread or the GC*: a tensor on a pooled result segment dies and puts the segment on its
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may

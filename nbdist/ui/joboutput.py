@@ -47,7 +47,7 @@ class JobOutput:
             if wait > 0:  # sent a moment ago: once more when the moment is over
                 if self._timer is None:
                     self._timer = threading.Timer(wait, self.flush)
-                    self._timer.daemon = True
+                    self._timer.name, self._timer.daemon = f"nbdist-job-output-{self.name}", True
                     self._timer.start()
                 return
         self.flush()

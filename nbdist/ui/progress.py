@@ -25,9 +25,12 @@ def wait_with_bar(job) -> None:
     :data:`POLL_S`. A ``KeyboardInterrupt`` ends the wait (the job goes on)."""
     if job.wait(POLL_S):
         return
+    import sys
+
     from tqdm.auto import tqdm
 
-    widget = tqdm.__module__ == "tqdm.notebook"  # in a kernel with ipywidgets: shown below
+    notebook = sys.modules.get("tqdm.notebook")  # imported by tqdm.auto in a kernel (ipywidgets)
+    widget = notebook is not None and issubclass(tqdm, notebook.tqdm_notebook)
     bar = tqdm(desc=job.name, unit=" steps", **({"display": False} if widget else {}))
     handle = None
     if widget:
