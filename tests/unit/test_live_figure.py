@@ -128,3 +128,24 @@ def test_the_step_split_names_the_straggler_and_says_the_lesson():
     assert any(f"rank {SLOW}: straggler" in t for t in texts), texts
     lesson = split.get_xlabel()
     assert "waiting for the slow rank" in lesson and f"rank {SLOW}" in lesson, lesson
+
+
+def _only(metrics, names):
+    kept = Metrics()
+    kept.add([row for row in metrics.rows() if row[2] in names])
+    return kept
+
+
+@pytest.mark.parametrize("shape", ["8 ranks", "one scalar", "four scalars, no step split"])
+def test_other_shapes_of_job_have_no_overlapping_text_either(shape):
+    metrics = {"8 ranks": lambda: _job_metrics(ranks=8, steps=60),
+               "one scalar": lambda: _only(_job_metrics(2, 60), {"loss"}),
+               "four scalars, no step split": lambda: _only(
+                   _job_metrics(2, 60), {"loss", "lr", "data_ms", "step_s"})}[shape]()
+    fig = live_figure(metrics)
+    assert 7 <= fig.get_size_inches()[0] <= 10.5
+    drawn = _drawn_texts(fig)
+    assert _overlaps(drawn) == [] and _intrusions(fig, drawn) == []
+    page = fig.bbox
+    assert all(page.x0 - 0.5 <= box.x0 and box.x1 <= page.x1 + 0.5 and page.y0 - 0.5 <= box.y0
+               and box.y1 <= page.y1 + 0.5 for _, box in drawn)

@@ -113,7 +113,8 @@ def plot_step_split(metrics, window: int = 20, ax=None):
                     color="tab:red")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
-    ax.set_xlim(0, 1.7 * max(c + m for c, m in zip(compute, comm)) or 1.0)
+    room = 1.7 if slow else 1.1  # the right part is for the straggler's note
+    ax.set_xlim(0, room * max(c + m for c, m in zip(compute, comm)) or 1.0)
     ax.set_xlabel(f"time per step ({unit})" + _lesson(split, slow))
     ax.set_title(f"step time per rank, median of the last {window} steps", loc="left")
     ax.legend(fontsize="small", loc="lower right", bbox_to_anchor=(1, 1), ncol=2,
