@@ -105,7 +105,8 @@ Threading model
     posts its stack there; ``Group.stacks()`` reads the channels itself, under the group's lock,
     only when it could take that lock at once and no job runs), the spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
     launcher panel's refresh lock, a job output display's lock (:mod:`nbdist.ui.joboutput`: the
-    relay thread takes it under ``output``), and on the ranks the log batcher's and the stream pumps'.
+    relay thread takes it under ``output``), and on the ranks the log batcher's and the stream
+    pumps'.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process

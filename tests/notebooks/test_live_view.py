@@ -23,7 +23,7 @@ def test_a_stalled_jobs_live_view_says_so_and_where_the_ranks_are(shell):
     with nbdist.start(2, backend="gloo", device="cpu", timeout=60, stall=2) as g:
         job = g.submit_exec(STALLS)
         view = Watch(job)  # not shown: the test reads what it would show
-        deadline = time.monotonic() + 7  # stall=2: noticed within a few seconds, before rank 1 wakes
+        deadline = time.monotonic() + 7  # stall=2: seen within seconds, before rank 1 wakes
         while job.state != "stalled" and time.monotonic() < deadline:
             time.sleep(0.2)
         assert job.state == "stalled", job.describe()
