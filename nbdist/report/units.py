@@ -150,3 +150,15 @@ def dashed_values(parser: argparse.ArgumentParser, argv: List[str]) -> List[str]
         else:
             out.append(word)
     return out
+
+
+TIME_SUFFIXES = (("_ms", 1e-3), ("_us", 1e-6), ("_ns", 1e-9), ("_s", 1.0))
+"""A scalar whose name ends in one of these is a time in that unit (``step_s``, ``data_ms``):
+tables, reprs and plots show it in the unit that suits its values."""
+
+
+def seconds_per_unit(name: str) -> Optional[float]:
+    """Seconds in one unit of scalar ``name``, from its suffix (``step_s``: 1, ``data_ms``: 1e-3);
+    ``None`` where the name says it is not a time."""
+    return next((scale for suffix, scale in TIME_SUFFIXES
+                 if name.endswith(suffix) and len(name) > len(suffix)), None)

@@ -72,6 +72,9 @@ Threading model
     *Widget poller* (``nbdist-launcher-status``, one per launcher panel) and *live view*
     (``nbdist-watch-NAME``, one per watched job), in :mod:`nbdist.ui`: they only read --
     ``status()``, ``job.metrics``, ``job.output`` -- and survive an error in one refresh.
+    *Job output timer* (``nbdist-job-output-NAME``, in :mod:`nbdist.ui.joboutput`, for a moment
+    after a job's line): sends the display of the job's output again when lines come faster than
+    five times a second; it takes only that display's own lock.
     *Any thread or the GC*: a tensor on a pooled result segment dies and puts the segment on its
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may
@@ -101,7 +104,9 @@ Threading model
     stacks box (:class:`~nbdist.runtime.stacks.StacksBox`: whichever thread reads a rank's channel
     posts its stack there; ``Group.stacks()`` reads the channels itself, under the group's lock,
     only when it could take that lock at once and no job runs), the spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
-    launcher panel's refresh lock, and on the ranks the log batcher's and the stream pumps'.
+    launcher panel's refresh lock, a job output display's lock (:mod:`nbdist.ui.joboutput`: the
+    relay thread takes it under ``output``), and on the ranks the log batcher's and the stream
+    pumps'.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process

@@ -63,6 +63,9 @@ class Call:
         #: where the ranks were when the call was last seen stalled (``None``: not stalled)
         self.stalled = None
         self.stalled_since: Optional[float] = None
+        #: where the lines shown for this call go, ``show(stream, text)`` (``None``: the caller's
+        #: sys.stdout / sys.stderr); a background job's, from :data:`.output.JOB_DISPLAY`
+        self.show = None
         self._cancelled = False
 
     def add_output(self, rank: int, text: str) -> None:

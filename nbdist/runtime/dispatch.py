@@ -161,6 +161,7 @@ class Dispatch:
             try:
                 call = self._begin(req, ranks, timeout)
                 call.interactive = False  # nothing answers a prompt in the background
+                self._out.show_job(call, name)  # before any line can come
                 rs = self._rs
                 job = Job(name, call, lambda: self._finish_job(call, rs, req, name))
                 self._send(call)

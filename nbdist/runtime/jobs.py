@@ -16,7 +16,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import GroupBusyError
 from .calls import INTERRUPTED, OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
-from .metrics import Metrics
+from .metrics import Metrics, format_value
 
 #: every job started in this process (``g.submit``, ``%%dist --bg``, ``lightning.fit(block=False)``),
 #: oldest first; the last 100 are kept. ``%dist_jobs``, ``%dist_wait`` and ``%dist_watch`` read it.
@@ -168,8 +168,7 @@ class Job:
     def _repr_html_(self) -> str:
         rows, steps = [], self.metrics.last_step()
         for rank, values in sorted(self.metrics.last().items()):
-            cells = ", ".join(f"{html.escape(n)} = {v:.4g}" if isinstance(v, float)
-                              else f"{html.escape(n)} = {html.escape(str(v))}"
+            cells = ", ".join(f"{html.escape(n)} = {html.escape(format_value(n, v))}"
                               for n, (_, v) in values.items())
             step = steps.get(rank)
             rows.append(f"<tr><td>{rank}</td><td>{'' if step is None else step}</td>"

@@ -7,7 +7,8 @@ import io
 import json
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..report.units import percentile
+from ..report.table import Column, TableView
+from ..report.units import format_time, percentile, seconds_per_unit
 from ..wire import locks
 
 FIELDS = ("rank", "step", "name", "value", "time_s")
@@ -120,6 +121,28 @@ class Metrics:
             return {}
         return {r: m / middle for r, m in sorted(recent.items()) if m >= factor * middle}
 
+    def summary(self, window: int = 20) -> TableView:
+        """A table, a row per rank: its last step, then the median of each scalar over its last
+        ``window`` values, times in one unit per column (named in the header: ``data (ms)``).
+        The rows keep raw values, times in seconds under ``NAME_s`` (``data_ms`` -> ``data_s``)."""
+        series: Dict[Tuple[int, str], List[Any]] = {}
+        for rank, _, name, value, _ in self.rows():
+            series.setdefault((rank, name), []).append(value)
+        steps, names, columns = self.last_step(), self.names(), [Column("rank", "rank", "text"),
+                                                                 Column("step", "last step")]
+        rows = [{"rank": r, "step": s} for r, s in sorted(steps.items())]
+        for name in names:
+            scale = seconds_per_unit(name)
+            key = name if scale is None else name[:name.rindex("_")] + "_s"
+            columns.append(Column(key, name if scale is None else key[:-2],
+                                  "auto" if scale is None else "time"))
+            for row in rows:
+                values = [v for v in series.get((row["rank"], name), [])[-window:]
+                          if isinstance(v, (int, float)) and not isinstance(v, bool)]
+                if values:
+                    row[key] = percentile(values, 50) * (scale or 1)
+        return TableView(rows, columns, [f"median of each rank's last {window} values"])
+
     def to_pandas(self):
         """A ``pandas.DataFrame`` with the columns of :data:`FIELDS`."""
         import pandas as pd
@@ -154,12 +177,21 @@ class Metrics:
         thinned = f" (older rows thinned: {self.dropped} dropped)" if self.dropped else ""
         lines = [f"<nbdist Metrics: {len(self)} rows, {len(last)} ranks{thinned}>"]
         for rank in sorted(last):
-            parts = [f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
+            parts = [f"{name}={format_value(name, value)}"
                      for name, (_, value) in last[rank].items()]
             step = self.last_step().get(rank)
             lines.append(f"  rank {rank}" + (f" step {step}" if step is not None else "") + ": "
                          + ", ".join(parts))
         return "\n".join(lines)
+
+
+def format_value(name: str, value: Any) -> str:
+    """A logged value as the repr shows it: a time in its unit (``12.9 ms``), a float to 4
+    significant digits."""
+    scale = seconds_per_unit(name)
+    if scale is not None and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format_time(value * scale)
+    return f"{value:.4g}" if isinstance(value, float) else str(value)
 
 
 def _write(text: str, path: Optional[str]) -> Optional[str]:

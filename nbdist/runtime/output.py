@@ -27,6 +27,13 @@ from ..wire.relay import OutputRelay, Sink, default_sink
 from ..wire.repeats import RepeatFolder, Shown
 from .calls import Call
 
+JOB_DISPLAY: Optional[Callable[[str], Optional[Callable[[str, str], None]]]] = None
+"""Where a background job's shown lines go, set by the notebook layer (``%load_ext nbdist`` in a
+kernel): ``JOB_DISPLAY(name)``, called as a job starts, on the thread that starts it, returns
+``show(stream, text)`` -- a display under the cell that started the job, updated in place, which a
+saved or headless-run notebook keeps (a stream message that arrives after its cell ended is
+dropped there) -- or ``None``: the caller's sys.stdout / sys.stderr, as for a blocking call."""
+
 HEADER = ("nbdist: repeated lines were shown once; here is who printed them and how often (every "
           "line: %%dist --all-output, or group.last_output):\n")
 
@@ -70,6 +77,12 @@ class RankOutput:
             fold = self._dedupe and self._user_sink() is None
             self._folder = RepeatFolder() if fold else None
 
+    def show_job(self, call: Call, name: str) -> None:
+        """``call`` is background job ``name``'s: its shown lines go to :data:`JOB_DISPLAY`'s
+        display, if the notebook layer set one and no ``output=`` sink of the user's takes them."""
+        if JOB_DISPLAY is not None and self._user_sink() is None:
+            call.show = JOB_DISPLAY(name)
+
     def line(self, rank: int, stream: str, text: str) -> None:
         """What ``rank`` wrote (whole lines): kept on the call, then shown, or handed unfolded to
         the user's sink."""
@@ -83,19 +96,20 @@ class RankOutput:
         with self._lock:
             if self._folder is None:
                 node = self._node_map().get(rank)
-                if node is None:
+                if node is None and (call is None or call.show is None):
                     default_sink(rank, stream, text)
                 else:
-                    _write([Shown((rank,), stream, text, f"rank {rank}, node {node}")])
+                    label = f"rank {rank}" if node is None else f"rank {rank}, node {node}"
+                    _write([Shown((rank,), stream, text, label)], call)
                 return
-            _write(self._labelled(self._folder.feed(rank, stream, text, time.monotonic())))
+            _write(self._labelled(self._folder.feed(rank, stream, text, time.monotonic())), call)
 
     def tick(self, now: float) -> Optional[float]:
         """Show the held lines that are due; seconds until the next one is (``None``: none held)."""
         with self._lock:
             if self._folder is None:
                 return None
-            _write(self._labelled(self._folder.due(now)))
+            _write(self._labelled(self._folder.due(now)), self._call)
             return self._folder.next_due(now)
 
     def finish(self, call: Call, relay: Optional[OutputRelay], wait: bool = True) -> None:
@@ -111,12 +125,12 @@ class RankOutput:
                 return
             folder, self._folder = self._folder, None
             held, summary = folder.finish()
-            _write(self._labelled(held))
+            _write(self._labelled(held), call)
             for stream in ("stdout", "stderr"):
                 mine = [item for item in summary if item.stream == stream]
                 if mine:
-                    _stream(stream).write(HEADER)
-                    _write(mine)
+                    _show(call, stream, HEADER)
+                    _write(mine, call)
 
 
     def _node_map(self) -> Dict[int, str]:
@@ -193,8 +207,22 @@ def _stream(name: str):
     return sys.stderr if name == "stderr" else sys.stdout
 
 
-def _write(shown: List[Shown]) -> None:
+def _write(shown: List[Shown], call: Optional[Call] = None) -> None:
     for item in shown:
-        out = _stream(item.stream)
-        out.write(item.render())
-        out.flush()
+        _show(call, item.stream, item.render())
+
+
+def _show(call: Optional[Call], stream: str, text: str) -> None:
+    """``text`` to where ``call``'s lines go: its ``show`` (a job's display), else the stream."""
+    show = call.show if call is not None else None
+    if show is not None:
+        try:
+            show(stream, text)
+            return
+        except Exception as err:  # noqa: BLE001 -- a broken display must not stop the relay
+            sys.__stderr__.write(f"nbdist: the job's output display failed ({err!r}); its lines "
+                                 "go to the stream instead\n")
+            call.show = None
+    out = _stream(stream)
+    out.write(text)
+    out.flush()

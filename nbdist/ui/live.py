@@ -1,9 +1,12 @@
 """The live view of a background job: ``nbdist.ui.watch(job)`` / ``%dist_watch [NAME]``.
 
 It shows, under the cell that asked for it, a status line and an Interrupt button (ipywidgets) and
-a figure: when the ranks time their steps with ``nbdist.step``, first each rank's step split into
-compute and communication (stacked bars, stragglers named), then every scalar the ranks log (one
-panel per scalar, a line per rank), redrawn in place at
+a figure (:func:`nbdist.ui.plots.metrics.live_figure`, 10 in wide): when the ranks time their
+steps with ``nbdist.step``, first each rank's step split into compute and communication
+(stacked bars, stragglers named, and what a fast rank's communication then is: waiting for the
+slow one), then every scalar the ranks log in a grid (one panel per scalar, a line per rank,
+times in one unit per panel); while the job is stalled, the figure says so above, with where the
+ranks are (the stacks' summary), as the status line does. It is redrawn in place at
 most every ``every`` seconds while the job runs -- from a thread of its own, so the notebook stays
 usable. The figure is a plain PNG output updated through its display id: when the job ends, the
 last one stays in the notebook as a static image, and a saved notebook shows the final state.
@@ -105,27 +108,34 @@ class Watch:
         self.status.value = self._status_html()  # after the figure: the two agree
 
     def _status_html(self) -> str:
-        return f"<span class='nbdist-watch-status'>{html.escape(self.job.describe())}</span>"
+        return ("<span class='nbdist-watch-status' style='white-space: pre-wrap'>"
+                f"{html.escape(self.job.describe())}</span>")
+
+    def _note(self) -> Optional[str]:
+        """For the figure, while the job is stalled: since when, and where the ranks are."""
+        stalled, since = self.job.stalled, self.job.call.stalled_since
+        if stalled is None or since is None:
+            return None
+        quiet = min(time.time() - since, self.job.elapsed)
+        return (f"stalled: nothing logged or printed and no collective completed for "
+                f"{quiet:.0f} s (nothing was killed); where the ranks are:\n{stalled.summary()}")
+
+    def figure(self):
+        """The figure as the view draws it now (a ``matplotlib.figure.Figure``), or ``None``
+        while nothing was logged."""
+        if not len(self.job.metrics):
+            return None
+        from .plots.metrics import live_figure
+
+        return live_figure(self.job.metrics, note=self._note())
 
     def _figure_bundle(self) -> dict:
         text = repr(self.job)
-        if not len(self.job.metrics):
+        fig = self.figure()
+        if fig is None:
             return {"text/plain": text + "\n(nothing logged yet: nbdist.log on the ranks)"}
-        from matplotlib.figure import Figure  # not pyplot: nothing for an inline backend to grab
-
-        from .plots.metrics import plot_metrics, plot_step_split
-
-        names = self.job.metrics.names()
-        split = "compute_s" in names  # nbdist.step runs: the split per rank comes first
-        fig = Figure(figsize=(4.2 * (len(names) + split), 3.2))
-        axes = list(fig.subplots(1, len(names) + split, squeeze=False)[0])
-        if split:
-            plot_step_split(self.job.metrics, ax=axes.pop(0))
-        plot_metrics(self.job.metrics, names, ax=axes)
-        fig.suptitle(self.job.describe(), fontsize="small")
         buf = io.BytesIO()
-        fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
-
+        fig.savefig(buf, format="png", dpi=100)
         return {"image/png": base64.b64encode(buf.getvalue()).decode("ascii"), "text/plain": text}
 
 

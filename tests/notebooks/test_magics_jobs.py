@@ -82,16 +82,19 @@ def test_no_jobs_yet(shell, dist_group, monkeypatch):
 
 
 def test_wait_shows_a_progress_bar_of_the_logged_steps(shell, dist_group):
-    """tqdm (the console bar in this shell, on stderr) counts the slowest rank's steps."""
+    """tqdm (the console bar in this shell, on stderr) counts the slowest rank's steps, named
+    after the job, and ends at the last step, as a full bar: the total is known by then."""
     import re
 
     shell.run_cell_magic("dist", "--bg stepping -q", "import time, nbdist\nfor i in range(40):\n"
                          "    nbdist.log(step=i, loss=1.0)\n    time.sleep(0.05)")
     with capture_output() as out:
         shell.run_line_magic("dist_wait", "-q stepping")
-    counts = [int(n) for n in re.findall(r"job stepping: (\d+)step", out.stderr)]
-    assert counts and max(counts) > 0 and max(counts) <= 40, out.stderr
-    assert counts == sorted(counts)  # it only moves forward
+    frames = [f.strip() for f in out.stderr.split("\r") if f.strip()]
+    assert frames and all(f.startswith("stepping: ") for f in frames), frames  # not "job stepping"
+    counts = [int(n) for n in re.findall(r"stepping: (\d+) steps", out.stderr)]
+    assert counts == sorted(counts) and max(counts, default=0) <= 40, frames  # only forward
+    assert re.match(r"stepping: 100%\|.*\| 40/40 \[", frames[-1]), frames[-1]
 
 
 SPIN = ("import time, nbdist\nfor i in range(10**6):\n    nbdist.log(step=i, x=i)\n"

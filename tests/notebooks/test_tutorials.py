@@ -158,15 +158,36 @@ def test_lightning(tmp_path):
 
 
 def test_watch_live(tmp_path):
+    import base64
+    import re
+    import struct
+
     nb, out = run_notebook("08_watch_live.ipynb", tmp_path)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "<nbdist.Job job 'job'" in out[2]  # the cell returned at once, with the job
+    # what the ranks printed during the job stayed under the cell that started it, only there
+    assert ("[ranks 0, 1] first step done" in out[2]
+            or "[rank 0] first step done" in out[2] and "[rank 1] first step done" in out[2])
+    assert [i for i, text in enumerate(out) if "first step done" in text] == [2], out
     kinds = [set(o.get("data", {})) for o in code[3].outputs]
     assert any("image/png" in k for k in kinds) and any(
         "application/vnd.jupyter.widget-view+json" in k for k in kinds)
+    png = next(base64.b64decode(o["data"]["image/png"]) for o in code[3].outputs
+               if "image/png" in o.get("data", {}))
+    assert struct.unpack(">II", png[16:24])[0] == 1000  # 10 in at 100 dpi: a notebook column
     assert "the kernel is free: 45" in out[4] and "busy: the group is busy" in out[4]
+    jobs = next(o["data"]["text/html"] for o in code[5].outputs if "text/html" in o.get("data", {}))
+    assert re.search(r"<td>(none logged yet|rank 0: \d+, rank 1: \d+)</td>", jobs), jobs
+    # the bar, as the saved notebook keeps it: named once, ended full at the last step
+    assert re.match(r"job: 100%\|.*\| 120/120 \[", out[6]), out[6]
     assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
-    assert "slowest data: rank 1" in out[7] and "straggler: rank 1 (compute" in out[7]
+    # the lesson: rank 1, the slow data loader, is the straggler; rank 0 waits for it
+    summary = out[7]
+    for column in ("step", "comm", "data"):  # each in the unit its numbers suit
+        assert re.search(column + r" \((s|ms|µs)\)", summary), summary
+    assert "slowest data: rank 1" in summary and "straggler: rank 1 (compute" in summary
+    ratio = float(re.search(r"communication, rank 0 / rank 1: ([\d.]+)x", summary).group(1))
+    assert ratio > 1.5, summary  # "well over rank 1's own"; the figure says so from 1.5x
 
 
 def test_zero_three_ways(tmp_path):

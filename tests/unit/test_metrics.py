@@ -30,6 +30,21 @@ def test_rows_last_series_and_exports():
     assert repr(Metrics()) == "<nbdist Metrics: nothing logged yet>"
 
 
+def test_times_read_in_their_unit_and_the_summary_is_a_table_with_units():
+    m = Metrics()
+    for i in range(30):
+        m.add([(r, i, "step_s", 0.0129 + 0.001 * r, 0.0) for r in (0, 1)]
+              + [(r, i, "data_ms", 10.2 if r else 0.07, 0.0) for r in (0, 1)]
+              + [(r, i, "loss", 1.0 / (i + 1), 0.0) for r in (0, 1)])
+    assert "rank 1 step 29: step_s=13.9 ms, data_ms=10.2 ms, loss=0.03333" in repr(m)
+    table = m.summary(window=10)
+    assert [h.strip() for h in str(table).splitlines()[0].split("  ") if h.strip()] == [
+        "rank", "last step", "step (ms)", "data (µs)", "loss"]
+    assert str(table).splitlines()[2].split() == ["0", "29", "12.9", "70", "0.03923"]
+    assert table.rows[1]["data_s"] == pytest.approx(0.0102)  # raw values, in seconds
+    assert table.notes == ["median of each rank's last 10 values"]
+
+
 def test_plot_metrics_panels_thinning_and_errors():
     pytest.importorskip("matplotlib")
     import matplotlib
@@ -115,8 +130,10 @@ def test_the_step_split_per_rank_and_its_panel():
     assert m.split() == {0: (0.01, 0.005), 1: (0.03, 0.005), 2: (0.01, 0.005)}
     ax = plot_step_split(m, ax=Figure().subplots())
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
-    assert [t.get_text().strip() for t in ax.texts] == ["straggler (3.00x)"]
-    assert ax.get_title() == "step split, median of the last 20 steps"
+    assert [t.get_text() for t in ax.texts] == ["rank 1: straggler (compute 3.00× the median)"]
+    assert ax.get_title(loc="left") == "step time per rank, median of the last 20 steps"
+    # 35 ms at most: in ms; every rank's communication takes the same: no waiting to point out
+    assert ax.get_xlabel() == "time per step (ms)"
     with pytest.raises(ValueError, match="plot_step_split\\(\\) found no step times: wrap each "
                                          "step in `with nbdist.step\\(i\\):` on the ranks"):
         plot_step_split(_metrics())

@@ -61,6 +61,11 @@ def load_ipython_extension(shell) -> None:
     kernel = getattr(shell, "kernel", None)  # ipykernel's; None in a terminal IPython
     if kernel is not None and not hasattr(kernel.do_shutdown, "nbdist_original"):
         kernel.do_shutdown = _stopping_first(kernel.do_shutdown)
+    if kernel is not None:  # a job's output under its cell, in a saved notebook too
+        from ...runtime import output
+        from ..joboutput import job_display
+
+        output.JOB_DISPLAY = job_display
     for cls in base._magic_classes:
         if cls.__name__ not in shell.magics_manager.registry:
             shell.register_magics(cls)
@@ -123,6 +128,9 @@ def unload_ipython_extension(shell) -> None:
     for event, hook in (("pre_run_cell", _before_cell), ("post_run_cell", _after_cell)):
         if hook in shell.events.callbacks[event]:
             shell.events.unregister(event, hook)
+    from ...runtime import output
+
+    output.JOB_DISPLAY = None
     for group in list(base._started):
         group.stop()
     if current_group() is not None and current_group().state == "stopped":

@@ -13,7 +13,9 @@ from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import publish_display_data
 
 from ...runtime.jobs import Job
+from ..joboutput import finish as finish_output
 from ..live import finish_views
+from ..progress import wait_with_bar
 from .base import (JOBS, NbdistMagics, _rank_list, _seconds, job_name,  # noqa: F401
                    register_magics, usage)
 
@@ -78,12 +80,13 @@ class JobMagics(NbdistMagics):
         args = self.parse(self.dist_wait, line)
         job = find_job(args.name)
         try:
-            _wait_with_bar(job)
+            wait_with_bar(job)
         except KeyboardInterrupt:
             print(f"nbdist: stopped waiting; job {job.name!r} is still running "
                   f"(job.interrupt() stops it).")
             return None
         finish_views(job)  # each live view of the job draws its final figure first
+        finish_output(job)  # and the display of what its ranks printed is complete
         values = job.result()
         if not args.quiet:
             show = self.shell.display_formatter.format
@@ -109,21 +112,10 @@ class JobMagics(NbdistMagics):
 
 
 def _steps(job: Job) -> str:
+    """The last step each rank logged, or that none was logged (yet)."""
     steps = job.metrics.last_step()
-    return ", ".join(f"{r}: {s}" for r, s in sorted(steps.items()) if s is not None)
-
-
-def _wait_with_bar(job: Job) -> None:
-    if job.wait(0.3):
-        return
-    from tqdm.auto import tqdm
-
-    with tqdm(desc=f"job {job.name}", unit="step") as bar:
-        while not job.wait(0.3):
-            steps = [s for s in job.metrics.last_step().values() if s is not None]
-            if steps:
-                bar.n = min(steps) + 1  # the slowest rank's progress
-                bar.refresh()
+    text = ", ".join(f"rank {r}: {s}" for r, s in sorted(steps.items()) if s is not None)
+    return text or ("none logged yet" if job.running() else "none logged")
 
 
 __all__ = ["JOBS", "JobMagics", "find_job", "job_name", "usage"]

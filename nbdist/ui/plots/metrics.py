@@ -1,30 +1,54 @@
-"""Plots of the scalars ranks logged with ``nbdist.log``: one panel per scalar, one line per rank.
+"""Plots of the scalars ranks logged with ``nbdist.log``: one panel per scalar, one line per rank,
+and the live view's whole figure (:func:`live_figure`).
 
 Takes the table (:class:`nbdist.runtime.metrics.Metrics`, e.g. ``job.metrics``) and ``ax=None``;
 returns the Axes it drew on. Beyond :data:`MAX_POINTS` points per rank and scalar, lines are
-thinned to every n-th point (the title says so), so a long run stays quick to draw.
+thinned to every n-th point (the title says so), so a long run stays quick to draw. A scalar whose
+name ends in ``_s``, ``_ms``, ``_us`` or ``_ns`` is a time: its panel is drawn in one unit (s, ms,
+µs or ns) chosen for the panel's values, and the axis says which.
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+import math
+from typing import List, Optional, Sequence, Tuple
 
-import matplotlib.pyplot as plt
+from ...errors import ranks_phrase
+from ...report.units import format_time, percentile, seconds_per_unit
 
 MAX_POINTS = 2000  #: points drawn per rank and scalar; more are thinned evenly
+_UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
+NOTE_WIDTH = 110  #: characters per line of the live figure's note; longer lines are cut
 
 
-def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> List:
+def time_unit(seconds: float) -> Tuple[str, float]:
+    """``(unit, seconds per unit)`` that shows ``seconds`` (a panel's typical largest value) as
+    1 to 999 of it: ``0.013`` -> ``("ms", 1e-3)``."""
+    return next(((u, s) for u, s in _UNITS if abs(seconds) >= s), ("ns", 1e-9))
+
+
+def _colors(ranks: Sequence[int]) -> dict:
+    """One colour per rank, the same in every panel of a figure."""
+    return {r: f"C{i % 10}" for i, r in enumerate(sorted(ranks))}
+
+
+def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
+                 legend: bool = True) -> List:
     """Per-rank curves of each logged scalar against step; returns the list of Axes.
 
     ``names``: the scalars to draw (default: all, in first-logged order). ``ax``: one Axes (every
-    scalar drawn on it) or a list of Axes, one per scalar.
+    scalar drawn on it) or a list of Axes, one per scalar. ``legend``: a legend in each panel (the
+    live view draws one for the whole figure instead). Times are drawn in the unit that suits
+    the panel (``time (ms)``).
     """
+    import matplotlib.pyplot as plt
+
     names = list(names) if names is not None else metrics.names()
     if not names:
         raise ValueError("plot_metrics() found nothing to draw: log scalars on the ranks with "
                          "nbdist.log(step=i, loss=loss) first")
     if ax is None:
-        _, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False)
+        _, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False,
+                               layout="constrained")
         axes = list(axes[0])
     elif isinstance(ax, (list, tuple)):
         if len(ax) != len(names):
@@ -34,48 +58,119 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None) -> Lis
     else:
         axes = [ax] * len(names)
     ranks = sorted({row["rank"] for row in metrics})
+    color = _colors(ranks)
+    shared = len(names) > 1 and all(a is axes[0] for a in axes)
     for name, axis in zip(names, axes):
         thinned = bool(getattr(metrics, "dropped", 0))  # the table itself thinned old rows
-        for rank in ranks:
-            xs, ys = metrics.series(name, rank)
+        series = {r: metrics.series(name, r) for r in ranks}
+        scale = seconds_per_unit(name)
+        unit = None
+        if scale is not None and not shared:
+            values = [abs(v) * scale for _, ys in series.values() for v in ys
+                      if isinstance(v, (int, float))]
+            unit, per = time_unit(percentile(values, 95) or 0.0)
+            scale /= per
+        for rank, (xs, ys) in series.items():
             if not xs:
                 continue
             step = max(1, len(xs) // MAX_POINTS)
             thinned = thinned or step > 1
-            shared = len(names) > 1 and all(a is axes[0] for a in axes)
-            axis.plot(xs[::step], ys[::step],
+            ys = [v * scale for v in ys] if unit else ys
+            axis.plot(xs[::step], ys[::step], color=None if shared else color[rank],
                       label=f"{name}, rank {rank}" if shared else f"rank {rank}")
         axis.set_xlabel("step")
-        axis.set_ylabel(name)
+        axis.set_ylabel(f"time ({unit})" if unit else name)
         axis.set_title(name + (" (thinned)" if thinned else ""))
-        axis.legend(fontsize="small")
+        if legend:
+            axis.legend(fontsize="small")
     return axes
 
 
 def plot_step_split(metrics, window: int = 20, ax=None):
     """Each rank's step time split into compute and communication (median of its last ``window``
-    steps, from ``nbdist.step``), as stacked horizontal bars; stragglers are named on their bar.
-    Returns the Axes."""
+    steps, from ``nbdist.step``), as stacked horizontal bars, in the unit that suits them;
+    stragglers are named inside the panel, and the x-axis label says what a fast rank's
+    communication is then: waiting for the slow rank. Returns the Axes."""
+    import matplotlib.pyplot as plt
+
     split = metrics.split(window)
     if not split:
         raise ValueError("plot_step_split() found no step times: wrap each step in "
                          "`with nbdist.step(i):` on the ranks")
     if ax is None:
-        _, ax = plt.subplots(figsize=(4.2, 0.5 + 0.45 * len(split)))
+        _, ax = plt.subplots(figsize=(8, 1.6 + 0.35 * len(split)), layout="constrained")
     ranks = sorted(split)
-    compute = [split[r][0] * 1e3 for r in ranks]
-    comm = [split[r][1] * 1e3 for r in ranks]
+    unit, per = time_unit(max(c + m for c, m in split.values()))
+    compute = [split[r][0] / per for r in ranks]
+    comm = [split[r][1] / per for r in ranks]
     ax.barh(ranks, compute, color="tab:blue", label="compute")
     ax.barh(ranks, comm, left=compute, color="tab:orange", label="communication")
     slow = metrics.stragglers(window)
-    for r, x in slow.items():
-        ax.text(compute[ranks.index(r)] + comm[ranks.index(r)], r, f"  straggler ({x:.2f}x)",
-                va="center", fontsize="small", color="tab:red")
+    for r, x in slow.items():  # in the right part of the panel, which the bars leave free
+        ax.annotate(f"rank {r}: straggler (compute {x:.2f}× the median)", xy=(1, r),
+                    xycoords=("axes fraction", "data"), xytext=(-4, 0),
+                    textcoords="offset points", ha="right", va="center", fontsize="small",
+                    color="tab:red")
     ax.set_yticks(ranks, [f"rank {r}" for r in ranks])
-    ax.invert_yaxis()
-    ax.set_xlim(0, 1.5 * max(c + m for c, m in zip(compute, comm)) or 1.0)  # room for the note
-    ax.set_xlabel("time per step (ms)")
-    ax.set_title(f"step split, median of the last {window} steps")
-    ax.legend(fontsize="small", loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=2,
-              frameon=False)
+    ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
+    room = 1.7 if slow else 1.1  # the right part is for the straggler's note
+    ax.set_xlim(0, room * max(c + m for c, m in zip(compute, comm)) or 1.0)
+    ax.set_xlabel(f"time per step ({unit})" + _lesson(split, slow))
+    ax.set_title(f"step time per rank, median of the last {window} steps", loc="left")
+    ax.legend(fontsize="small", loc="lower right", bbox_to_anchor=(1, 1), ncol=2,
+              frameon=False, borderaxespad=0.1)
     return ax
+
+
+def _lesson(split, slow) -> str:
+    """What the bars teach when a rank is slow and the others' communication takes well over
+    the slow rank's own: it is mostly waiting for the slow rank."""
+    fast = [r for r in sorted(split) if r not in slow]
+    if not slow or not fast:
+        return ""
+    waited = percentile([split[r][1] for r in fast], 50)
+    own = percentile([split[r][1] for r in slow], 50)
+    if waited < 1.5 * own:  # the fast ranks' communication is not mostly waiting: say nothing
+        return ""
+    who = ("the fast " if len(fast) > 1 else "") + ranks_phrase(fast)
+    return (f"\nThe communication of {who} ({format_time(waited)}) is mostly waiting for the "
+            f"slow {ranks_phrase(list(slow))}:\na collective ends only when its slowest rank "
+            f"arrives ({ranks_phrase(list(slow))}'s own communication: {format_time(own)}).")
+
+
+def live_figure(metrics, note: Optional[str] = None, window: int = 20):
+    """The live view's figure of a job's metrics, 10 in wide: the step split per rank on top
+    (when the ranks use ``nbdist.step``), then one panel per logged scalar in a grid of up to
+    three columns, one legend of the ranks; ``note`` (e.g. why the job is stalled and where the
+    ranks are) in red above. Returns a ``matplotlib.figure.Figure`` (no pyplot)."""
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    names = metrics.names()
+    if not names:
+        raise ValueError("live_figure() found nothing to draw: log scalars on the ranks with "
+                         "nbdist.log(step=i, loss=loss) first")
+    split = metrics.split(window) if "compute_s" in names else {}
+    ranks = sorted({row["rank"] for row in metrics})
+    cols = 1 if len(names) == 1 else 2 if len(names) in (2, 4) else 3
+    rows = math.ceil(len(names) / cols)
+    heights = ([1.7 + 0.3 * len(split)] if split else []) + [2.4] * rows
+    lines = [_cut(line) for line in (note or "").splitlines()[:5]]
+    fig = Figure(figsize=(10, sum(heights) + 0.5 + 0.2 * len(lines)), layout="constrained")
+    grid = fig.add_gridspec(len(heights), cols, height_ratios=heights)
+    if split:
+        plot_step_split(metrics, window, ax=fig.add_subplot(grid[0, :]))
+    top = 1 if split else 0
+    axes = [fig.add_subplot(grid[top + i // cols, i % cols]) for i in range(len(names))]
+    plot_metrics(metrics, names, ax=axes, legend=False)
+    color = _colors(ranks)
+    fig.legend(handles=[Line2D([], [], color=color[r], label=f"rank {r}") for r in ranks],
+               loc="outside lower center", ncol=min(len(ranks), 8), fontsize="small",
+               frameon=False)
+    if lines:
+        fig.suptitle("\n".join(lines), color="tab:red", fontsize="small", x=0.01, ha="left")
+    return fig
+
+
+def _cut(line: str) -> str:
+    return line if len(line) <= NOTE_WIDTH else line[:NOTE_WIDTH - 1] + "…"

@@ -1,0 +1,151 @@
+"""The live view's figure (issue 28): at its default size, with a realistic job -- four ranks, a
+straggler, several scalars -- no text overlaps another or leaves the figure, every time axis names
+its unit, and the lesson of the step split is said. Rows are made here; matplotlib renders them."""
+import math
+import random
+
+import pytest
+
+from nbdist.runtime.metrics import Metrics
+
+matplotlib = pytest.importorskip("matplotlib")
+matplotlib.use("Agg")
+from matplotlib.text import Text  # noqa: E402
+
+from nbdist.ui.plots.metrics import live_figure  # noqa: E402
+
+pytestmark = pytest.mark.timeout(60)
+SLOW = 2  # the straggler: its data loader sleeps 10 ms a step
+
+
+def _job_metrics(ranks=4, steps=150):
+    """What tutorial 8's training logs, on ``ranks`` ranks: a fast rank's communication is mostly
+    waiting for the slow one."""
+    rnd, m = random.Random(0), Metrics()
+    for i in range(steps):
+        rows = []
+        for r in range(ranks):
+            compute = (0.0112 if r == SLOW else 0.0012) * (1 + 0.2 * rnd.random())
+            comm = (0.0006 if r == SLOW else 0.0112) * (1 + 0.3 * rnd.random())
+            rows += [(r, i, "step_s", compute + comm, 0.0), (r, i, "comm_s", comm, 0.0),
+                     (r, i, "compute_s", compute, 0.0),
+                     (r, i, "loss", 15 * math.exp(-i / 8) + 0.05 * rnd.random(), 0.0),
+                     (r, i, "data_ms", (10.1 if r == SLOW else 0.07) + rnd.random(), 0.0),
+                     (r, i, "lr", 0.05 * 0.99 ** i, 0.0)]
+        m.add(rows)
+    return m
+
+
+def _drawn_texts(fig):
+    """Every Text the renderer drew (titles, axis labels, tick labels, annotations, legends), as
+    ``(text, window extent)``: recorded while ``fig.canvas.draw()`` runs, so ticks outside the view
+    and hidden artists, which are not drawn, are not counted."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    FigureCanvasAgg(fig)  # a Figure made without pyplot draws on the Agg canvas, as savefig does
+    drawn, original = [], Text.draw
+
+    def draw(self, renderer):
+        original(self, renderer)
+        if self.get_visible() and self.get_text().strip():
+            drawn.append((self, self.get_window_extent(renderer)))
+    Text.draw = draw
+    try:
+        fig.canvas.draw()
+    finally:
+        Text.draw = original
+    return drawn
+
+
+def _overlaps(drawn, slack=0.5):
+    hits = []
+    for i, (a, box_a) in enumerate(drawn):
+        for b, box_b in drawn[i + 1:]:
+            if (min(box_a.x1, box_b.x1) - max(box_a.x0, box_b.x0) > slack
+                    and min(box_a.y1, box_b.y1) - max(box_a.y0, box_b.y0) > slack):
+                hits.append((a.get_text(), b.get_text()))
+    return hits
+
+
+def _intrusions(fig, drawn, slack=0.5):
+    """Texts that reach into a panel they don't belong to (a y-label over the next panel's ticks,
+    a note spilling into the next panel; a figure-level text over any panel)."""
+    hits = []
+    for text, box in drawn:
+        for ax in fig.axes:
+            if ax is text.axes:
+                continue
+            area = ax.get_window_extent()
+            if (min(box.x1, area.x1) - max(box.x0, area.x0) > slack
+                    and min(box.y1, area.y1) - max(box.y0, area.y0) > slack):
+                hits.append((text.get_text(), ax.get_title()))
+    return hits
+
+
+@pytest.mark.parametrize("note", [None, "stalled: nothing logged or printed, no collective "
+                                        "completed for 61 s\nranks 0, 1, 3: <dist-cell-3>:14 "
+                                        "train -> all_reduce\nrank 2: <dist-cell-3>:9 train -> "
+                                        "load_batch -> sleep"])
+def test_no_text_overlaps_or_leaves_the_figure_at_the_default_size(note):
+    fig = live_figure(_job_metrics(), note=note)
+    width, height = fig.get_size_inches()
+    assert 7 <= width <= 10.5 and height <= 11, "the figure fits a notebook column"
+    drawn = _drawn_texts(fig)
+    texts = [t.get_text() for t, _ in drawn]
+    assert "rank 0" in texts and any("straggler" in t for t in texts), texts
+    if note:
+        assert any(t.startswith("stalled:") for t in texts), texts
+    assert _overlaps(drawn) == []
+    page = fig.bbox
+    outside = [t.get_text() for t, box in drawn if box.x0 < page.x0 - 0.5 or box.y0 < page.y0
+               - 0.5 or box.x1 > page.x1 + 0.5 or box.y1 > page.y1 + 0.5]
+    assert outside == []
+    assert _intrusions(fig, drawn) == []
+    for ax in fig.axes:  # an annotation stays inside its own panel
+        inside = ax.get_window_extent()
+        for text in ax.texts:
+            box = text.get_window_extent()
+            assert inside.x0 <= box.x0 and box.x1 <= inside.x1, text.get_text()
+
+
+def test_every_time_axis_names_one_unit_chosen_for_its_magnitude():
+    fig = live_figure(_job_metrics())
+    labels = {ax.get_title() or ax.get_title(loc="left"): (ax.get_xlabel(), ax.get_ylabel())
+              for ax in fig.axes}
+    split = next(v for k, v in labels.items() if k.startswith("step time"))
+    assert split[0].startswith("time per step (ms)")
+    for name in ("step_s", "comm_s", "compute_s", "data_ms"):  # all ~1-25 ms: shown in ms
+        assert labels[name] == ("step", "time (ms)"), (name, labels[name])
+    assert labels["loss"] == ("step", "loss") and labels["lr"] == ("step", "lr")
+    ax = next(a for a in fig.axes if a.get_title() == "step_s")
+    assert 5 < max(ax.get_lines()[0].get_ydata()) < 50  # the values were converted to ms
+
+
+def test_the_step_split_names_the_straggler_and_says_the_lesson():
+    fig = live_figure(_job_metrics())
+    split = next(ax for ax in fig.axes if ax.get_title(loc="left").startswith("step time"))
+    texts = [t.get_text() for t in split.texts] + [split.get_xlabel()]
+    assert any(f"rank {SLOW}: straggler" in t for t in texts), texts
+    lesson = split.get_xlabel()
+    assert "waiting for the slow rank" in lesson and f"rank {SLOW}" in lesson, lesson
+
+
+def _only(metrics, names):
+    kept = Metrics()
+    kept.add([row for row in metrics.rows() if row[2] in names])
+    return kept
+
+
+@pytest.mark.parametrize("shape", ["8 ranks", "one scalar", "four scalars, no step split"])
+def test_other_shapes_of_job_have_no_overlapping_text_either(shape):
+    metrics = {"8 ranks": lambda: _job_metrics(ranks=8, steps=60),
+               "one scalar": lambda: _only(_job_metrics(2, 60), {"loss"}),
+               "four scalars, no step split": lambda: _only(
+                   _job_metrics(2, 60), {"loss", "lr", "data_ms", "step_s"})}[shape]()
+    fig = live_figure(metrics)
+    assert 7 <= fig.get_size_inches()[0] <= 10.5
+    drawn = _drawn_texts(fig)
+    assert _overlaps(drawn) == [] and _intrusions(fig, drawn) == []
+    page = fig.bbox
+    assert all(page.x0 - 0.5 <= box.x0 and box.x1 <= page.x1 + 0.5 and page.y0 - 0.5 <= box.y0
+               and box.y1 <= page.y1 + 0.5 for _, box in drawn)
