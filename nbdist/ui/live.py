@@ -113,8 +113,9 @@ class Watch:
 
     def _note(self) -> Optional[str]:
         """For the figure, while the job is stalled: since when, and where the ranks are."""
-        stalled, since = self.job.stalled, self.job.call.stalled_since
-        if stalled is None or since is None:
+        stalled = self.job.stalled
+        since = None if stalled is None else self.job.call.stalled_since
+        if since is None:
             return None
         quiet = min(time.time() - since, self.job.elapsed)
         return (f"stalled: nothing logged or printed and no collective completed for "

@@ -174,7 +174,7 @@ def test_watch_live(tmp_path):
         "application/vnd.jupyter.widget-view+json" in k for k in kinds)
     png = next(base64.b64decode(o["data"]["image/png"]) for o in code[3].outputs
                if "image/png" in o.get("data", {}))
-    assert struct.unpack(">II", png[16:24])[0] == 1000  # 10 in at 100 dpi: a notebook column
+    assert struct.unpack(">II", png[16:24])[0] == 950  # 9.5 in at 100 dpi: a notebook column
     assert "the kernel is free: 45" in out[4] and "busy: the group is busy" in out[4]
     jobs = next(o["data"]["text/html"] for o in code[5].outputs if "text/html" in o.get("data", {}))
     assert re.search(r"<td>(none logged yet|rank 0: \d+, rank 1: \d+)</td>", jobs), jobs

@@ -99,7 +99,7 @@ class LiveJob:
     """What the live view reads of a job: 08's training loop on 2 ranks, rank 1 with a slow data
     loader (10 ms a step), 120 steps logged through ``nbdist.step`` and ``nbdist.log``."""
 
-    name, state, elapsed = "job", "done", 4.2
+    name, state, elapsed, stalled = "job", "done", 4.2, None
 
     def __init__(self, steps=120):
         self.metrics = Metrics()

@@ -14,6 +14,7 @@ from typing import List, Optional, Sequence, Tuple
 
 from ...errors import ranks_phrase
 from ...report.units import format_time, percentile, seconds_per_unit
+from . import style
 
 MAX_POINTS = 2000  #: points drawn per rank and scalar; more are thinned evenly
 _UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
@@ -31,6 +32,7 @@ def _colors(ranks: Sequence[int]) -> dict:
     return {r: f"C{i % 10}" for i, r in enumerate(sorted(ranks))}
 
 
+@style.styled
 def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
                  legend: bool = True) -> List:
     """Per-rank curves of each logged scalar against step; returns the list of Axes.
@@ -40,16 +42,16 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
     live view draws one for the whole figure instead). Times are drawn in the unit that suits
     the panel (``time (ms)``).
     """
-    import matplotlib.pyplot as plt
-
     names = list(names) if names is not None else metrics.names()
     if not names:
         raise ValueError("plot_metrics() found nothing to draw: log scalars on the ranks with "
                          "nbdist.log(step=i, loss=loss) first")
     if ax is None:
-        _, axes = plt.subplots(1, len(names), figsize=(4.2 * len(names), 3.2), squeeze=False,
-                               layout="constrained")
-        axes = list(axes[0])
+        rows, cols = style.grid(len(names))
+        _, axes = style.new_figure(3.0 * rows, rows, cols, squeeze=False)
+        axes = list(axes.flat)[:len(names)]
+        for spare in list(axes[0].figure.axes)[len(names):]:
+            spare.remove()  # the grid's cells after the last scalar stay empty
     elif isinstance(ax, (list, tuple)):
         if len(ax) != len(names):
             raise ValueError(f"plot_metrics() got {len(ax)} Axes for {len(names)} scalars "
@@ -86,19 +88,18 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
     return axes
 
 
+@style.styled
 def plot_step_split(metrics, window: int = 20, ax=None):
     """Each rank's step time split into compute and communication (median of its last ``window``
     steps, from ``nbdist.step``), as stacked horizontal bars, in the unit that suits them;
     stragglers are named inside the panel, and the x-axis label says what a fast rank's
     communication is then: waiting for the slow rank. Returns the Axes."""
-    import matplotlib.pyplot as plt
-
     split = metrics.split(window)
     if not split:
         raise ValueError("plot_step_split() found no step times: wrap each step in "
                          "`with nbdist.step(i):` on the ranks")
     if ax is None:
-        _, ax = plt.subplots(figsize=(8, 1.6 + 0.35 * len(split)), layout="constrained")
+        _, ax = style.new_figure(1.6 + 0.35 * len(split))
     ranks = sorted(split)
     unit, per = time_unit(max(c + m for c, m in split.values()))
     compute = [split[r][0] / per for r in ranks]
@@ -138,8 +139,9 @@ def _lesson(split, slow) -> str:
             f"arrives ({ranks_phrase(list(slow))}'s own communication: {format_time(own)}).")
 
 
+@style.styled
 def live_figure(metrics, note: Optional[str] = None, window: int = 20):
-    """The live view's figure of a job's metrics, 10 in wide: the step split per rank on top
+    """The live view's figure of a job's metrics, one notebook column wide (:data:`style.WIDTH`): the step split per rank on top
     (when the ranks use ``nbdist.step``), then one panel per logged scalar in a grid of up to
     three columns, one legend of the ranks; ``note`` (e.g. why the job is stalled and where the
     ranks are) in red above. Returns a ``matplotlib.figure.Figure`` (no pyplot)."""
@@ -156,7 +158,7 @@ def live_figure(metrics, note: Optional[str] = None, window: int = 20):
     rows = math.ceil(len(names) / cols)
     heights = ([1.7 + 0.3 * len(split)] if split else []) + [2.4] * rows
     lines = [_cut(line) for line in (note or "").splitlines()[:5]]
-    fig = Figure(figsize=(10, sum(heights) + 0.5 + 0.2 * len(lines)), layout="constrained")
+    fig = Figure(figsize=(style.WIDTH, sum(heights) + 0.5 + 0.2 * len(lines)), layout="constrained")
     grid = fig.add_gridspec(len(heights), cols, height_ratios=heights)
     if split:
         plot_step_split(metrics, window, ax=fig.add_subplot(grid[0, :]))
