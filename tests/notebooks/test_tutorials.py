@@ -143,7 +143,7 @@ def test_beyond_data_parallel(tmp_path):
         assert any(line.startswith(label + " ") for line in out[5].splitlines()), label
     assert "UserWarning" not in out[5] and "redistributing" not in out[5]
     memory = out[6]  # the table with the sharded/replicated split and the formulas in the notes
-    assert "sharded (KB)" in memory and "replicated (KB)" in memory
+    assert "sharded (KiB)" in memory and "replicated (KiB)" in memory
     for name in ("ddp", "tp", "fsdp2+tp", "pp"):
         assert name in [line.split()[0] for line in memory.splitlines() if line.split()]
     assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory
