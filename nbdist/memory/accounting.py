@@ -153,7 +153,10 @@ def _holder(t: torch.Tensor) -> str:
                 return f"{type(owner).__name__}.{attr}"
         elif not isinstance(ref, (list, tuple, set)) and type(ref).__name__ not in ("frame",
                                                                                      "cell"):
-            return type(ref).__name__
+            # Python 3.11+ keeps most instances' attributes inline: the object refers directly
+            attrs = getattr(ref, "__dict__", None)
+            attr = next((a for a, v in attrs.items() if v is t), None) if attrs else None
+            return type(ref).__name__ + (f".{attr}" if attr else "")
     return f"a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
 
 
