@@ -89,8 +89,8 @@ _BYTES = ("params", "grads", "optimizer", "model_state", "estimate", "sharded", 
           "other", "in_flight", "peak", "rss", "rss_base")
 _IN_FLIGHT = ("in-flight: tensors created by the last step's forward and alive at its backward: "
               "activations, what a strategy unshards for backward, and any collective's buffer not "
-              "yet freed at that moment (FSDP2's all-gather buffer, one layer's shard, shows on "
-              "some runs and ranks only)")
+              "yet freed at that moment")
+_FSDP2_FLIGHT = " (FSDP2's all-gather buffer, one layer's shard: on some runs and ranks only)"
 _NO_PEAK = ("peak: not measured on CPU (measure(..., profile=True) takes it from the torch "
             "profiler; on CUDA it is max_memory_allocated)")
 
@@ -122,15 +122,18 @@ def _rss_note(records: Sequence[MemoryRecord]) -> Optional[str]:
     if not rss:
         return None
     base = [r.rss_base for r in records if r.rss_base is not None]
-    span = (lambda v: format_bytes(min(v)) if _same(v) else
-            f"{format_bytes(min(v))} to {format_bytes(max(v))}")
-    before = f", of which {span(base)} before the model was built" if base else ""
-    return (f"rss (process memory, not in the table): {span(rss)} per rank{before}: torch and "
+    before = f", of which {_span(base)} before the model was built" if base else ""
+    return (f"rss (process memory, not in the table): {_span(rss)} per rank{before}: torch and "
             "Python themselves, a coarse OOM guard; to_dicts() has it per rank")
 
 
-def _same(values: List[int]) -> bool:
-    return format_bytes(min(values)) == format_bytes(max(values))
+def _span(values: List[int]) -> str:
+    """``"263 to 287 MiB"``: whole numbers in the binary unit of the smallest (RSS is coarse)."""
+    unit, scale = next((u, float(b)) for u, b in (("GiB", 1 << 30), ("MiB", 1 << 20),
+                                                 ("KiB", 1 << 10), ("B", 1))
+                       if min(values) >= b)
+    low, high = (f"{v / scale:.0f}" for v in (min(values), max(values)))
+    return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
 
 
 class MemoryReport(list):
@@ -149,7 +152,9 @@ class MemoryReport(list):
         columns = [c for c in _COLUMNS if (meshed or c.key not in ("sharded", "replicated"))
                    and (peak or c.key != "peak")]
         notes = _notes(self)
-        notes += [_IN_FLIGHT] if any(r.in_flight for r in self) else []
+        fsdp2 = any(r.strategy.startswith("fsdp2") or r.strategy == "hsdp" for r in self)
+        notes += [_IN_FLIGHT + (_FSDP2_FLIGHT if fsdp2 else "")] if any(
+            r.in_flight for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
         return TableView(self.to_dicts(), columns, notes)

@@ -187,8 +187,8 @@ def test_memory_table_has_units_in_headers_and_one_unit_per_column():
     header, lines = _text_table(report.table())
     assert header.startswith("strategy  rank  params (MiB)")
     assert lines[4] == "fsdp rank 0: fsdp & friends" and lines[5].startswith("peak: not measured")
-    assert lines[6].startswith("rss (process memory, not in the table): 392.9 MiB per rank, of "
-                               "which 286.1 MiB before the model was built")
+    assert lines[6].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
+                               "which 286 MiB before the model was built")
     assert repr(report).startswith("<MemoryReport: 4 records>\n" + header)
     from IPython.core.formatters import DisplayFormatter
 
@@ -232,7 +232,7 @@ def test_a_measured_peak_is_a_column_and_rss_a_note():
     view = MemoryReport(recs)._view()
     assert view.headers()[-1] == "peak (MiB)" and view.cells()[0][-1] == "20.0"
     assert not any(n.startswith("peak:") for n in view.notes)
-    assert view.notes[-1].startswith("rss (process memory, not in the table): 400 MiB to 405 MiB "
+    assert view.notes[-1].startswith("rss (process memory, not in the table): 400 to 405 MiB "
                                      "per rank")
 
 
