@@ -16,7 +16,11 @@
 * ``peak`` -- on CUDA the caching allocator's ``max_memory_allocated`` (exact); on CPU, opt-in with
   ``profile=True`` (the torch profiler slows the step down): Python-visible bytes before the step
   plus the largest rise of CPU allocations during it (approximate).
-* ``rss`` -- process RSS after ``malloc_trim`` (approximate; includes torch itself, ~230 MB).
+* ``rss`` -- process RSS after ``malloc_trim`` (approximate; includes torch itself, a few hundred
+  MiB): a note under the report's table, not a column, and in the exports per rank.
+
+In the report's table each size column has one binary unit (KiB, MiB), and each note is written
+once, after the strategies (and ranks) it holds for.
 
 Under ``"pp"`` (pipeline stages, :mod:`nbdist.memory.pipeline`) each rank holds its stage's
 layers; its figures are compared with "PP: the stage's layers" (``nbdist.memory.formulas.stage_estimate``).

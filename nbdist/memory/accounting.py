@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from .. import strategies as _strategies
-from ..report.units import human_bytes, unit_for
+from ..report.units import format_bytes, human_bytes, unit_for
 
 
 def optimizer_fn(name: str):
@@ -97,9 +97,67 @@ def model_state_bytes(model: nn.Module, optimizer) -> Dict[str, int]:
             "optimizer": sum(state.values())}
 
 
-def _gc_storages() -> Dict[tuple, int]:
+def _gc_tensors() -> List[torch.Tensor]:
     # issubclass(type(o)), not isinstance: isinstance reads __class__, which warns on some objects
-    return _storages(o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    return [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+
+
+def _gc_storages() -> Dict[tuple, int]:
+    return _storages(_gc_tensors())
+
+
+def _snapshot() -> Dict[tuple, Any]:
+    """The storages alive now, each with a weak reference: a key (device, address, size) alone
+    cannot tell a storage from a new one that the allocator put at the same address after it
+    was freed (a buffer FSDP2 allocates each step then counted in one step and not the next)."""
+    from torch.distributed.tensor import DTensor
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    out = {}
+    for t in _gc_tensors():
+        t = t.to_local() if isinstance(t, DTensor) else t
+        if t.layout == torch.strided and t.device.type != "meta":
+            out[_key(t)] = StorageWeakRef(t.untyped_storage())
+    return out
+
+
+def _alive(snapshot: Dict[tuple, Any]) -> set:
+    """The keys of ``snapshot`` whose storage is still the one it saw (not freed since)."""
+    return {k for k, ref in snapshot.items() if not ref.expired()}
+
+
+def _owners(keys: set, limit: int = 3) -> List[str]:
+    """Where the largest Python-visible tensors among ``keys`` are held, e.g.
+    ``"DeviceMesh.mesh (8 B)"``: the attribute of the object that references each."""
+    from torch.distributed.tensor import DTensor
+
+    found: Dict[tuple, str] = {}
+    for t in _gc_tensors():
+        local = t.to_local() if isinstance(t, DTensor) else t
+        if local.layout != torch.strided or local.device.type == "meta":
+            continue
+        k = _key(local)
+        if k in keys and k[3] and k not in found:
+            found[k] = _holder(t)
+    ranked = sorted(found.items(), key=lambda kv: -kv[0][3])[:limit]
+    return [f"{name} ({format_bytes(k[3])})" for k, name in ranked]
+
+
+def _holder(t: torch.Tensor) -> str:
+    for ref in gc.get_referrers(t):
+        if isinstance(ref, dict):
+            attr = next((a for a, v in ref.items() if v is t), None)
+            owner = next((o for o in gc.get_referrers(ref)
+                          if getattr(o, "__dict__", None) is ref), None)
+            if attr is not None and owner is not None:
+                return f"{type(owner).__name__}.{attr}"
+        elif not isinstance(ref, (list, tuple, set)) and type(ref).__name__ not in ("frame",
+                                                                                     "cell"):
+            # Python 3.11+ keeps most instances' attributes inline: the object refers directly
+            attrs = getattr(ref, "__dict__", None)
+            attr = next((a for a, v in attrs.items() if v is t), None) if attrs else None
+            return type(ref).__name__ + (f".{attr}" if attr else "")
+    return f"a {tuple(t.shape)} {str(t.dtype).replace('torch.', '')} tensor"
 
 
 def _trim_and_rss() -> int:
@@ -130,7 +188,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
         _strategies.default_device()
     warm = nn.Linear(2, 2)  # the first optimizer imports torch._dynamo: keep it out of the baseline
     optimizer_fn(optimizer)(warm.parameters()).step()
-    base = _gc_storages()
+    base = _snapshot()
     rss_base = _trim_and_rss()
     torch.manual_seed(0)
     model = model_fn()
@@ -147,13 +205,14 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
     for step in range(steps):
         last = step == steps - 1
         if last:
-            known = _gc_storages()
-            live = sum(v for k, v in known.items() if k not in base)
+            known = _snapshot()
+            before = _alive(base)
+            live = sum(k[3] for k in known if k not in before)
             prof = _start_peak(device, profile)
         opt.zero_grad()
         out = model(x)
         if last:  # between forward and backward: unsharded parameters, activations
-            ignore = set(known) | {_key(out)}
+            ignore = _alive(known) | {_key(out)}
             in_flight = sum(v for k, v in _gc_storages().items() if k not in ignore)
         out.float().pow(2).mean().backward()
         if last and _parts(opt) is not None:  # DeepSpeed frees its gradient partitions in step()
@@ -162,9 +221,12 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
         if last:
             peak = _stop_peak(device, prof, live)
     params, grads, state = _walk(model, opt, grads_at_step)
-    ignore = set(base) | set(params) | set(grads) | set(state) | {_key(x), _key(out)}
-    other = sum(v for k, v in _gc_storages().items() if k not in ignore)
+    ignore = _alive(base) | set(params) | set(grads) | set(state) | {_key(x), _key(out)}
+    others = {k: v for k, v in _gc_storages().items() if k not in ignore}
+    other = sum(others.values())
     notes = _rank_notes(model, grads) + _deepspeed_notes(opt, precision, sum(grads.values()))
+    if 0 < other < 1024:  # a few bytes: name them, or the column reads as noise
+        notes.append(f"other: {', '.join(_owners(set(others)))}")
     from .sharding import MESHED, split_on_rank
 
     split = split_on_rank(model, opt, name) if name in MESHED else None
@@ -191,7 +253,7 @@ def _rank_notes(model: nn.Module, grads: Dict[tuple, int]) -> List[str]:
     notes = []
     if getattr(model, "gradient_as_bucket_view", True) is False:
         notes.append(f"DDP's reducer also holds a copy of the gradients in C++ (about "
-                     f"{human_bytes(sum(grads.values()))}, not counted here: see rss); "
+                     f"{format_bytes(sum(grads.values()))}, not counted here: see rss); "
                      "gradient_as_bucket_view=True avoids it")
     owner, buckets = (getattr(model, a, None) for a in ("_trainable_param_to_rank", "_bucket_list"))
     if owner is not None and buckets:  # fairscale ShardedDataParallel
@@ -199,9 +261,9 @@ def _rank_notes(model: nn.Module, grads: Dict[tuple, int]) -> List[str]:
         foreign = sum(p.grad.nbytes for p, r in owner.items() if p.grad is not None
                       and r != dist.get_rank())
         notes.append(f"ShardedDDP keeps {len(buckets)} unsharded reduce buckets "
-                     f"({human_bytes(size)}), one per destination rank; the gradients of other "
+                     f"({format_bytes(size)}), one per destination rank; the gradients of other "
                      f"ranks' parameters that fit a bucket stay alive in it: "
-                     f"{human_bytes(foreign)} of this rank's {human_bytes(sum(grads.values()))} "
+                     f"{format_bytes(foreign)} of this rank's {format_bytes(sum(grads.values()))} "
                      "of grads (ZeRO-2 counts only its own 1/N). reduce_buffer_size=0 frees them "
                      "after each reduce and matches ZeRO-2, at one reduce per parameter")
     return notes
@@ -216,17 +278,17 @@ def _deepspeed_notes(opt, precision: str, grads: int) -> List[str]:
     master = sum(_storages(parts["master"]).values())
     if precision == "fp32" and master:
         notes.append(f"DeepSpeed keeps an fp32 master copy of this rank's partition "
-                     f"({human_bytes(master)}, in optim) next to the fp32 parameters: the "
+                     f"({format_bytes(master)}, in optim) next to the fp32 parameters: the "
                      "optimizer steps the copy and all-gathers it back into the parameters. The "
                      "fp32 formula has no master copy (K=8), so optim is 4Ψ/N above it")
     engine = getattr(opt, "engine", None)
     if engine is not None and engine.zero_optimization_stage() == 1 and grads:
         notes.append(f"DeepSpeed's stage 1 also keeps only this rank's gradient partition at the "
-                     f"step ({human_bytes(grads)} in grads; ZeRO-1 counts all gradients): the "
+                     f"step ({format_bytes(grads)} in grads; ZeRO-1 counts all gradients): the "
                      "full gradients live from backward until its epilogue reduces them")
     buckets = sum(_storages(parts["buckets"]).values())
     if buckets:
-        notes.append(f"DeepSpeed's stage-3 reduce bucket ({human_bytes(buckets)}: "
+        notes.append(f"DeepSpeed's stage-3 reduce bucket ({format_bytes(buckets)}: "
                      "reduce_bucket_size elements, kept between steps) is in other")
     return notes
 

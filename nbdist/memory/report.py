@@ -14,7 +14,7 @@ from .. import strategies as _strategies
 from . import accounting
 from . import pipeline as _pipeline
 from ..report.table import Column, TableView
-from .accounting import human_bytes
+from ..report.units import format_bytes
 from .formulas import _STAGES, Estimate, estimate, stage_estimate
 from .sharding import explain as _explain_split, mesh_estimate
 
@@ -81,32 +81,86 @@ _STATE = [("params", "params"), ("grads", "grads"), ("optimizer", "optim"),
           ("model_state", "state"), ("estimate", "estimate"), ("sharded", "sharded"),
           ("replicated", "replicated")]
 _COLUMNS = ([Column("strategy", kind="text"), Column("rank", kind="number")]
-            + [Column(key, name, "bytes_si", group="state") for key, name in _STATE]
+            + [Column(key, name, "bytes", group="state") for key, name in _STATE]
             + [Column("diff", kind="fraction", decimals=1, signed=True)]
-            + [Column(key, name, "bytes_si") for key, name in (
-                ("other", "other"), ("in_flight", "in-flight"), ("peak", "peak"), ("rss", "rss"))])
+            + [Column(key, name, "bytes") for key, name in (
+                ("other", "other"), ("in_flight", "in-flight"), ("peak", "peak"))])
 _BYTES = ("params", "grads", "optimizer", "model_state", "estimate", "sharded", "replicated",
           "other", "in_flight", "peak", "rss", "rss_base")
+_IN_FLIGHT = ("in-flight: tensors created by the last step's forward and alive at its backward: "
+              "activations, what a strategy unshards for backward, and any collective's buffer not "
+              "yet freed at that moment")
+_FSDP2_FLIGHT = " (FSDP2's all-gather buffer, one layer's shard: on some runs and ranks only)"
+_NO_PEAK = ("peak: not measured on CPU (measure(..., profile=True) takes it from the torch "
+            "profiler; on CUDA it is max_memory_allocated)")
+
+
+def _ranks(ranks: List[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
+
+
+def _notes(records: Sequence[MemoryRecord]) -> List[str]:
+    """Each fact once: a note that several ranks or strategies share is written once, after the
+    strategies (and ranks, where not all of a strategy's) it holds for."""
+    all_ranks: Dict[str, List[int]] = {}
+    where: Dict[str, Dict[str, List[int]]] = {}
+    for r in records:
+        all_ranks.setdefault(r.strategy, []).append(r.rank)
+        for note in dict.fromkeys(r.notes):
+            where.setdefault(note, {}).setdefault(r.strategy, []).append(r.rank)
+    out = []
+    for note, strategies in where.items():
+        labels = [name if sorted(ranks) == sorted(all_ranks[name]) else
+                  f"{name} {_ranks(sorted(ranks))}" for name, ranks in strategies.items()]
+        out.append(f"{', '.join(labels)}: {note}")
+    return out
+
+
+def _rss_note(records: Sequence[MemoryRecord]) -> Optional[str]:
+    """rss is the whole process (torch alone is hundreds of MiB): a note, not a column."""
+    rss = [r.rss for r in records if r.rss is not None]
+    if not rss:
+        return None
+    base = [r.rss_base for r in records if r.rss_base is not None]
+    before = f", of which {_span(base)} before the model was built" if base else ""
+    return (f"rss (process memory, not in the table): {_span(rss)} per rank{before}: torch and "
+            "Python themselves, a coarse OOM guard; to_dicts() has it per rank")
+
+
+def _span(values: List[int]) -> str:
+    """``"263 to 287 MiB"``: whole numbers in the binary unit of the smallest (RSS is coarse)."""
+    unit, scale = next((u, float(b)) for u, b in (("GiB", 1 << 30), ("MiB", 1 << 20),
+                                                 ("KiB", 1 << 10), ("B", 1))
+                       if min(values) >= b)
+    low, high = (f"{v / scale:.0f}" for v in (min(values), max(values)))
+    return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
 
 
 class MemoryReport(list):
     """A list of :class:`MemoryRecord` (rank-major per strategy) with a table and a plot.
 
-    A notebook shows it as an HTML table, a terminal as text (:meth:`table`): one decimal unit per
-    column, named in its header (``params (MB)``; the model-state columns share theirs). The
-    exports (:meth:`to_dicts`, :meth:`to_csv`, :meth:`to_pandas`) keep bytes.
+    A notebook shows it as an HTML table, a terminal as text (:meth:`table`): one binary unit per
+    column, named in its header (``params (KiB)``; the model-state columns share theirs). Under
+    it, each note once. The process RSS is a note (it is the whole process, torch included);
+    the peak column appears where it was measured. The exports (:meth:`to_dicts`,
+    :meth:`to_csv`, :meth:`to_pandas`) keep bytes.
     """
 
     def _view(self) -> TableView:
-        notes = [f"{r.strategy}: {note}" for r in self if r.rank == 0 or r.local_params is not None
-                 or r.split is not None for note in r.notes]
         meshed = any(r.split is not None for r in self)  # sharded / replicated: tp, fsdp2+tp, hsdp
-        columns = [c for c in _COLUMNS if meshed or c.key not in ("sharded", "replicated")]
+        peak = any(r.peak is not None for r in self)
+        columns = [c for c in _COLUMNS if (meshed or c.key not in ("sharded", "replicated"))
+                   and (peak or c.key != "peak")]
+        notes = _notes(self)
+        fsdp2 = any(r.strategy.startswith("fsdp2") or r.strategy == "hsdp" for r in self)
+        notes += [_IN_FLIGHT + (_FSDP2_FLIGHT if fsdp2 else "")] if any(
+            r.in_flight for r in self) else []
+        notes += [] if peak or not self else [_NO_PEAK]
+        notes += [n for n in (_rss_note(self),) if n]
         return TableView(self.to_dicts(), columns, notes)
 
     def table(self) -> str:
-        """A plain-text table, each column in the unit of its header, then rank 0's notes per
-        strategy."""
+        """A plain-text table, each column in the unit of its header, then the notes."""
         return self._view().text()
 
     def _repr_html_(self) -> str:
@@ -213,7 +267,7 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
             rec.notes = (_explain_split(rec, est, rec.split) if rec.split is not None
                          else _explain(rec, est)) + rec.notes
             if rec.local_params is not None:  # pp: each rank's stage is its own formula
-                rec.notes.insert(0, f"rank {rec.rank}: {est.formula}")
+                rec.notes.insert(0, est.formula)
             report.append(rec)
     return report
 
@@ -240,8 +294,8 @@ def _explain(rec: MemoryRecord, est: Estimate) -> List[str]:
     if rec.strategy == "fsdp_grad_op":
         notes.append(f"after the step SHARD_GRAD_OP is at ZeRO-3 size (it reshards parameters "
                      f"after backward); ZeRO-2's full parameters exist between forward and "
-                     f"backward: {human_bytes(rec.in_flight)} in flight (ZeRO-2 counts "
-                     f"{human_bytes(est.params)} of parameters)")
+                     f"backward: {format_bytes(rec.in_flight)} in flight (ZeRO-2 counts "
+                     f"{format_bytes(est.params)} of parameters)")
     elif rec.diff is not None and abs(rec.diff) > 0.02:
         notes.append(f"model state differs from the {est.formula.split(':')[0]} formula by "
                      f"{rec.diff:+.1%}")
@@ -249,7 +303,7 @@ def _explain(rec: MemoryRecord, est: Estimate) -> List[str]:
 
 
 _ESTIMATE_COLUMNS = [Column("strategy", kind="text"), Column("stage", kind="text")] + [
-    Column(key, name, "bytes_si", group="bytes") for key, name in (
+    Column(key, name, "bytes", group="bytes") for key, name in (
         ("params", "params"), ("grads", "grads"), ("optimizer", "optimizer"),
         ("total", "per rank"))]
 
@@ -263,7 +317,7 @@ def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
     with ``transformer=`` an ``activations`` column, and the assumptions under the table.
 
     ``str()`` of the result is the plain-text table (``print`` it in a terminal); a notebook
-    shows it as HTML. All sizes are in one decimal unit, named in the headers.
+    shows it as HTML. All sizes are in one binary unit, named in the headers.
     """
     rows, formulas = [], []
     for name in strategies:
@@ -277,6 +331,6 @@ def estimate_table(num_params: int, world_size: int, strategies: Sequence[str],
         formulas.append(f"{name}: {e.formula}")
     columns = list(_ESTIMATE_COLUMNS)
     if any(r["activations"] is not None for r in rows):
-        columns.append(Column("activations", "activations", "bytes_si"))
+        columns.append(Column("activations", "activations", "bytes"))
         formulas.append(e.assumptions)
     return TableView(rows, columns, formulas)

@@ -132,13 +132,10 @@ def mesh_estimate(strategy: str, split: Dict[str, Any], world_size: int, precisi
 
 def explain(rec, est: Estimate, split: Dict[str, Any]) -> list:
     """Notes: the split in words, and the difference from the formula to the byte."""
-    from ..report.units import human_bytes
-
     sh, rp = split["sharded"], split["replicated"]
-    notes = [f"rank {rec.rank}: sharded {human_bytes(sh['params'] + sh['grads'] + sh['optimizer'])}"
-             f" ({sh['tensors']} tensors, Ψ_s={sh['numel']:,}), replicated "
-             f"{human_bytes(rp['params'] + rp['grads'] + rp['optimizer'])} ({rp['tensors']} "
-             f"tensors, Ψ_r={rp['numel']:,}) of params + grads + optimizer state; {est.formula}"]
+    notes = [f"Ψ_s={sh['numel']:,} sharded ({sh['tensors']} tensors), Ψ_r={rp['numel']:,} "
+             f"replicated ({rp['tensors']} tensors; their bytes: the sharded and replicated "
+             f"columns); {est.formula}"]
     diff = rec.model_state - est.total
     if diff:
         local = sum(d[x] for d in (sh, rp) for x in ("params", "grads", "optimizer"))
@@ -153,6 +150,6 @@ def explain(rec, est: Estimate, split: Dict[str, Any]) -> list:
                          f"every rank)")
         if rest:
             parts.append(f"{rest:+,} B of storage shared or not reached by the walk")
-        notes.append(f"rank {rec.rank}: measured model state differs from the formula by "
+        notes.append(f"measured model state differs from the formula by "
                      f"{diff:+,} B: " + ("; ".join(parts) or "unexplained"))
     return notes

@@ -2,11 +2,14 @@
 
 A :class:`TableView` lays rows (dicts of raw values: seconds, bytes, GB/s) out under
 :class:`Column` s. Each column of a unit *kind* gets one unit, named in its header
-(``time (µs)``, ``size (KiB)``, ``params (MB)``), and every number in it is written in that unit,
+(``time (µs)``, ``size (KiB)``, ``params (MiB)``), and every number in it is written in that unit,
 with the same number of decimals, right-aligned. The unit is the largest in which each non-zero
 number of the column (or of its ``group``: columns that share a unit) is at least 1, so a column
-with 4 KiB and 64 MiB reads ``4`` and ``65536`` under ``size (KiB)``. The rows themselves are not
-changed: exports keep raw SI values, with the unit in the field name (``time_s``, ``busbw_GBps``).
+with 4 KiB and 64 MiB reads ``4`` and ``65536`` under ``size (KiB)``; columns of one group also
+share their number of decimals, so one quantity reads the same in each (``18.50`` and ``18.52``,
+never ``18.5`` next to ``18.52``). Plain numbers (ratios) get one number of decimals per column too.
+Notes are kept once each, in order. The rows themselves are not changed: exports keep raw SI
+values, with the unit in the field name (``time_s``, ``busbw_GBps``).
 """
 from __future__ import annotations
 
@@ -30,8 +33,9 @@ KINDS: Dict[str, Tuple[Tuple[str, float], ...]] = {
 }
 """Column kinds: the raw value's meaning and the units it may be shown in, largest first.
 
-``time``: seconds; ``bytes``: bytes in binary units (message sizes); ``bytes_si``: bytes in
-decimal units (memory, as the ZeRO paper); ``rate``: GB/s (10**9 B/s), as nccl-tests;
+``time``: seconds; ``bytes``: bytes in binary units (every size nbdist tabulates: messages and
+memory alike); ``bytes_si``: bytes in decimal units (for a caller's own decimal figures);
+``rate``: GB/s (10**9 B/s), as nccl-tests;
 ``fraction``: a ratio shown in %; ``number``: a plain number; ``text``: left-aligned;
 ``auto``: ``number`` if every value is a number, else ``text``."""
 
@@ -94,7 +98,7 @@ class TableView:
         self.rows: List[Mapping[str, Any]] = list(rows)
         self.columns: List[Column] = [c if isinstance(c, Column) else Column.for_key(c)
                                       for c in columns]
-        self.notes: List[str] = [str(n) for n in notes]
+        self.notes: List[str] = list(dict.fromkeys(str(n) for n in notes))  # each fact once
         self._laid_out: Optional[Tuple[List[str], List[List[str]], List[bool]]] = None
 
     # ---- layout -------------------------------------------------------------------------------
@@ -129,24 +133,45 @@ class TableView:
             units = self._units(kinds)
             headers = [c.name + (f" ({unit})" if unit else "")
                        for c, (unit, _) in zip(self.columns, units)]
-            columns = [self._cells(c, k, s) for c, k, (_, s) in zip(self.columns, kinds, units)]
+            decimals = self._decimals(kinds, units)
+            columns = [self._cells(c, k, s, d)
+                       for c, k, (_, s), d in zip(self.columns, kinds, units, decimals)]
             cells = [list(row) for row in zip(*columns)] if columns else [[] for _ in self.rows]
             self._laid_out = headers, cells, [k != "text" for k in kinds]
         return self._laid_out
 
-    def _cells(self, col: Column, kind: str, scale: float) -> List[str]:
+    def _scaled(self, col: Column, kind: str, scale: float) -> List[float]:
+        if kind == "text":
+            return []
+        return [abs(v) / scale for v in (r.get(col.key) for r in self.rows)
+                if _is_number(v) and math.isfinite(v)]
+
+    def _decimals(self, kinds: List[str], units: List[Tuple[Optional[str], float]]) -> List[int]:
+        """Each column's decimals: its own if fixed, else one count per group (or column): none
+        if every number is whole, else enough for 3 significant digits of the smallest."""
+        scaled: Dict[str, List[float]] = {}
+        for col, kind, (_, scale) in zip(self.columns, kinds, units):
+            if col.decimals is None:
+                scaled.setdefault(col.group or f"\0{col.key}", []).extend(
+                    self._scaled(col, kind, scale))
+        out = []
+        for col in self.columns:
+            if col.decimals is not None:
+                out.append(col.decimals)
+                continue
+            values = scaled.get(col.group or f"\0{col.key}", [])
+            nonzero = [x for x in values if x > 0]
+            if all(_whole(x) for x in values) or not nonzero:
+                out.append(0)
+            else:
+                digits = _DIGITS - 1 - math.floor(math.log10(min(nonzero)))
+                out.append(max(0, min(_MAX_DECIMALS, digits)))
+        return out
+
+    def _cells(self, col: Column, kind: str, scale: float, decimals: int) -> List[str]:
         values = [r.get(col.key) for r in self.rows]
         if kind == "text":
             return ["-" if v is None else str(v) for v in values]
-        scaled = [abs(v) / scale for v in values if _is_number(v) and math.isfinite(v)]
-        decimals = col.decimals
-        if decimals is None:
-            nonzero = [x for x in scaled if x > 0]
-            if kind == "number" or all(_whole(x) for x in scaled) or not nonzero:
-                decimals = 0
-            else:
-                decimals = _DIGITS - 1 - math.floor(math.log10(min(nonzero)))
-                decimals = max(0, min(_MAX_DECIMALS, decimals))
         sign = "+" if col.signed else ""
         out = []
         for v in values:
@@ -154,10 +179,6 @@ class TableView:
                 out.append("-")
             elif not _is_number(v) or not math.isfinite(v):
                 out.append(str(v))
-            elif kind == "number" and not (isinstance(v, int) or _whole(v)):
-                out.append(f"{v:{sign}.4g}")
-            elif kind == "number":
-                out.append(f"{int(round(v)):{sign}d}")
             else:
                 out.append(f"{v / scale:{sign}.{decimals}f}")
         return out

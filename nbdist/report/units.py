@@ -1,7 +1,8 @@
 """Units and tables for people: sizes, times and rates formatted with their unit, parsed back.
 
-Binary units for message sizes (KiB, MiB: what a benchmark sweeps), decimal units for memory and
-bandwidth (MB, GB/s: as the ZeRO paper and nccl-tests write them).
+Binary units for every size in a table (KiB, MiB: message sizes and memory alike, see
+:mod:`.table`); decimal units for bandwidth (GB/s, as nccl-tests) and for figures quoted against
+the ZeRO paper (:func:`human_bytes`, :func:`unit_for`: GB).
 """
 from __future__ import annotations
 

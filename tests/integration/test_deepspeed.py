@@ -1,6 +1,7 @@
 """DeepSpeed ZeRO 1-3 on real ranks (2, and 4 for training; gloo, CPU): training, errors, memory
 (issue 18)."""
 import functools
+import re
 import sys
 
 import cloudpickle
@@ -257,14 +258,14 @@ def test_memory_reads_deepspeeds_partitions_to_the_byte(report):
 def test_memory_says_where_deepspeed_holds_more_than_the_formula(report):
     for name in STAGES:
         for r in by(report, name):
-            assert any(n.startswith("DeepSpeed keeps an fp32 master copy of this rank's "
-                                    "partition (16.6 KB, in optim)") for n in r.notes), r.notes
+            assert any(re.match(r"DeepSpeed keeps an fp32 master copy of this rank's "
+                                r"partition \(16\.2\d* KiB, in optim\)", n) for n in r.notes), r.notes
     for r in by(report, "deepspeed_zero1"):  # master +2Ψ, grads -2Ψ: the formula's total
         assert r.diff == pytest.approx(0, abs=1e-3)
         assert any("stage 1 also keeps only this rank's gradient partition" in n for n in r.notes)
     for r in by(report, "deepspeed_zero3"):  # the bucket: max(largest parameter, Ψ/4) elements
         assert r.other >= 4 * WIDTH * WIDTH
-        assert any("reduce bucket (16.4 KB" in n for n in r.notes)
+        assert any(re.search(r"reduce bucket \(16(\.\d+)? KiB", n) for n in r.notes), r.notes
         assert any("differs from the ZeRO-3 formula by +25.0%" in n for n in r.notes)
     table = report.table()
     assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
@@ -287,7 +288,9 @@ def test_memory_side_by_side_with_torchs_zero_in_one_table_and_plot(shared_group
     table = rep.table()
     for name in names:
         assert sum(line.split()[:1] == [name] for line in table.splitlines()) == 2, name
-    assert "deepspeed_zero1: DeepSpeed keeps an fp32 master copy" in table
+    # one fact, written once for both stages
+    assert "deepspeed_zero1, deepspeed_zero3: DeepSpeed keeps an fp32 master copy" in table
+    assert table.count("DeepSpeed keeps an fp32 master copy") == 1
     assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in table
     ax = rep.plot()
     assert isinstance(ax.figure, matplotlib.figure.Figure)

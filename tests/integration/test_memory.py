@@ -81,7 +81,7 @@ def test_each_figure_says_how_it_was_obtained(report):
     assert r.accuracy["peak"] == "not measured (pass profile=True on CPU)" and r.peak is None
     assert r.rss > 50e6 and r.rss_base > 50e6
     table = report.table()
-    assert all(name in table for name in ALL) and "params (KB)" in table
+    assert all(name in table for name in ALL) and "params (KiB)" in table
     assert "fairscale_sharded: ShardedDDP keeps" in table
     rows = json.loads(json.dumps(report.to_dicts()))
     assert rows[0]["model_state"] == 16 * PSI + 4 * STEP and rows[0]["strategy"] == "ddp"

@@ -57,8 +57,8 @@ def test_tp_on_two_ranks_to_the_byte(shared_group):
         assert r.formula.startswith("TP: (P + G + K)(Ψ_s/tp + Ψ_r) (Megatron-LM")
         assert (r.split["tp"], r.split["dp"]) == (2, 1)
     table = rep.table()
-    assert "sharded (KB)" in table and "replicated (KB)" in table
-    assert "tp: rank 1: sharded 50.9 KB (20 tensors, Ψ_s=6,368)" in table
+    assert "sharded (KiB)" in table and "replicated (KiB)" in table
+    assert "tp: Ψ_s=6,368 sharded (20 tensors)" in table  # both ranks' note, once
     # the ZeRO-3 over the world would miss half the replicated bytes
     assert memory.estimate(2 * BLOCK, 2, "tp").total < rep[0].estimate
 

@@ -11,7 +11,7 @@ def test_dist_mem_measures_on_the_current_group(shell, dist_group):
         shell.run_line_magic("dist_mem", "--model mlp:2x64 --strategies ddp,zero1 --steps 1 --batch 4")
     table = cap.outputs[0].data
     assert "ddp" in table["text/plain"] and "zero1" in table["text/plain"]
-    assert "<th style='text-align:right'>params (KB)</th>" in table["text/html"]
+    assert "<th style='text-align:right'>params (KiB)</th>" in table["text/html"]
     assert any("image/png" in o.data for o in cap.outputs)
 
 
@@ -33,8 +33,8 @@ def test_dist_mem_with_a_parameter_count_only_estimates(shell, no_group):
     with capture_output() as cap:
         shell.run_line_magic("dist_mem", "--model 7.5B --strategies ddp,fsdp --world-sizes 64")
     table = cap.outputs[0].data
-    assert "per rank (MB)" in table["text/html"] and "per rank (MB)" in table["text/plain"]
-    assert ">120000</td>" in table["text/html"] and ">1875</td>" in table["text/html"]
+    assert "per rank (MiB)" in table["text/html"] and "per rank (MiB)" in table["text/plain"]
+    assert ">114441</td>" in table["text/html"] and ">1788</td>" in table["text/html"]
     assert any("image/png" in o.data for o in cap.outputs)
 
 

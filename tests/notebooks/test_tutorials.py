@@ -139,11 +139,57 @@ def test_collectives(tmp_path):
     assert images >= 4  # sweep, comparison, trace timeline, %%dist --trace timeline
 
 
+def columns(text):
+    """The table in ``text`` (a header, a rule of dashes, rows) as {header: [cells]}; checks that
+    each size column names one binary unit in its header and writes every cell as a bare number
+    with the same decimals."""
+    lines = text.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"-"})
+    headers = re.split(r"\s{2,}", lines[rule - 1].strip())
+    rows = []
+    for line in lines[rule + 1:]:
+        if len(line.split()) != len(headers) or ":" in line:
+            break  # the notes under the table
+        rows.append(line.split())
+    table = {h: [r[i] for r in rows] for i, h in enumerate(headers)}
+    for head, cells in table.items():
+        unit = re.search(r"\((\w+)\)$", head)
+        if unit and unit.group(1).endswith("B"):
+            assert unit.group(1) in ("B", "KiB", "MiB", "GiB"), f"{head}: not a binary unit"
+        if unit:
+            shown = [c for c in cells if c != "-"]
+            assert all(re.fullmatch(r"[+-]?\d+(\.\d+)?", c) for c in shown), (head, cells)
+            assert len({len(c.partition(".")[2]) for c in shown}) <= 1, (head, cells)
+    return table
+
+
+def notes(text):
+    """The lines under a table: each once."""
+    lines = text.splitlines()
+    rule = next(i for i, line in enumerate(lines) if line and set(line) == {"-"})
+    under = [line for line in lines[rule + 1:] if ":" in line]
+    assert len(under) == len(set(under)), under
+    return under
+
+
 def test_memory(tmp_path):
     nb, out = run_notebook("04_memory.ipynb", tmp_path)
     text = "\n".join(out)
     for name in ("ddp", "zero1", "fsdp_grad_op", "fsdp2", "fairscale_oss", "fairscale_sharded"):
         assert name in text
+    table = columns(out[1])
+    assert "peak (B)" not in table and not any(h.startswith("rss") for h in table)
+    state = dict(zip(table["strategy"], (float(v) for v in table["state (MiB)"])))
+    params = dict(zip(table["strategy"], (float(v) for v in table["params (MiB)"])))
+    flight = dict(zip(table["strategy"], (float(v) for v in table["in-flight (KiB)"])))
+    # the lesson: each ZeRO stage holds less per rank; SHARD_GRAD_OP's full parameters in flight
+    assert state["ddp"] > state["zero1"] > state["fsdp"] == state["fsdp2"] == state["fsdp_grad_op"]
+    assert flight["fsdp_grad_op"] > params["ddp"] * 1024 > flight["ddp"]
+    under = notes(out[1])
+    assert any(re.match(r"fsdp2: other: DeviceMesh(\.\w+)? \(8 B\)", n) for n in under), under
+    assert any(n.startswith("peak: not measured on CPU") for n in under)
+    assert any(n.startswith("rss (process memory, not in the table)") for n in under)
+    columns(out[4])
     assert "120.0 GB" in text and "31.4 GB" in text and "16.6 GB" in text and "1.9 GB" in text
 
 
@@ -202,10 +248,23 @@ def test_zero_three_ways(tmp_path):
     def rows(text, col):
         return [line.split()[col] for line in text.splitlines() if len(line.split()) > col]
     for name in names:  # a row in the loss table, the memory report and the step-time table
-        assert name in rows(out[2], 0) and name in rows(out[3], 0) and name in rows(out[5], 1)
-    assert "DeepSpeed keeps an fp32 master copy" in out[3]
-    assert "DeepSpeed's stage-3 reduce bucket" in out[3]
-    assert "vs torch" in out[5] and "wrap (s)" in out[5]
+        assert name in rows(out[2], 0) and name in rows(out[3], 0) and name in rows(out[6], 1)
+    table = columns(out[3])  # one binary unit per column; each note once
+    assert set(table["strategy"]) == set(names) and not any(h.startswith("rss") for h in table)
+    under = notes(out[3])
+    assert ("deepspeed_zero1, deepspeed_zero2, deepspeed_zero3: DeepSpeed keeps an fp32 master "
+            "copy") in out[3]
+    assert sum("master copy" in n for n in under) == 1
+    assert "deepspeed_zero3: DeepSpeed's stage-3 reduce bucket" in out[3]
+    assert any(n.startswith("rss (process memory, not in the table)") for n in under)
+    # the step times: what the ratios reflect is printed next to them, and holds on any machine
+    steps = columns(out[6])
+    assert "vs torch" in steps and "wrap (s)" in steps
+    calls = dict(zip(steps["strategy"], (float(c) for c in steps["calls/step"])))
+    mib = dict(zip(steps["strategy"], steps["MiB/step"]))
+    assert calls["fairscale_oss"] < min(calls["zero1"], calls["deepspeed_zero1"])
+    assert calls["fairscale_sharded"] < min(calls["fsdp_grad_op"], calls["deepspeed_zero2"])
+    assert {mib[n] for n in names if n != "fsdp"} == {"2.01"} and mib["fsdp"] == "3.01"
     kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in k for k in kinds)  # the memory plot
 
@@ -223,7 +282,7 @@ def test_beyond_data_parallel(tmp_path):
         assert any(line.startswith(label + " ") for line in out[5].splitlines()), label
     assert "UserWarning" not in out[5] and "redistributing" not in out[5]
     memory = out[6]  # the table with the sharded/replicated split and the formulas in the notes
-    assert "sharded (KB)" in memory and "replicated (KB)" in memory
+    assert "sharded (KiB)" in memory and "replicated (KiB)" in memory
     for name in ("ddp", "tp", "fsdp2+tp", "pp"):
         assert name in [line.split()[0] for line in memory.splitlines() if line.split()]
     assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory

@@ -128,9 +128,9 @@ def test_cli_estimate_only_prints_the_papers_table(capsys):
     assert memory.cli(["--model", "7.5B", "--world-size", "64", "--precision", "bf16-mixed",
                        "--strategies", "ddp,zero1,fsdp_grad_op,fsdp"]) == 0
     out = capsys.readouterr().out
-    assert out.splitlines()[0].endswith("optimizer (MB)  per rank (MB)")  # one unit, in the header
-    for name, mb in [("ddp", " 120000"), ("zero1", " 31406"), ("fsdp_grad_op", " 16641"),
-                     ("fsdp ", " 1875")]:
+    assert out.splitlines()[0].endswith("optimizer (MiB)  per rank (MiB)")  # one unit, in the header
+    for name, mb in [("ddp", " 114441"), ("zero1", " 29951"), ("fsdp_grad_op", " 15870"),
+                     ("fsdp ", " 1788")]:
         assert any(line.startswith(name) and line.endswith(mb) for line in out.splitlines())
     assert "zero1: ZeRO-1: 2Ψ + 2Ψ + 12Ψ/N = 4Ψ + 12Ψ/N" in out
 

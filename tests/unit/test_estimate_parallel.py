@@ -99,7 +99,7 @@ def test_cli_estimates_with_tp_pp_and_activations(capsys):
                        "--pp", "2", "--transformer", "L=32,h=4096,a=32,s=2048",
                        "--sequence-parallel"]) == 0
     out = capsys.readouterr().out
-    assert "ZeRO-3, tp=8, pp=2, dp=4" in out and "activations (GB)" in out
+    assert "ZeRO-3, tp=8, pp=2, dp=4" in out and "activations (GiB)" in out
     assert "119,537,664 B per layer" in out and "x 2 microbatches in flight (1f1b" in out
 
 

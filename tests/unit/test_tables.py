@@ -58,7 +58,8 @@ def test_a_column_of_4_KiB_and_64_MiB_is_in_one_unit():
     ("bytes_si", [31.4e9, 1.875e9], "t (GB)", ["31.40", "1.88"]),
     ("rate", [0.0123, 5.4321], "t (GB/s)", ["0.012", "5.432"]),
     ("fraction", [0.3, 0.05], "t (%)", ["30", "5"]),
-    ("number", [1, 0.5], "t", ["1", "0.5"]),
+    ("number", [1, 0.5], "t", ["1.000", "0.500"]),
+    ("number", [3, 12], "t", ["3", "12"]),
     ("text", ["a", None], "t", ["a", "-"]),
 ])
 def test_every_number_of_a_column_is_in_the_headers_unit(kind, values, header, cells):
@@ -177,20 +178,64 @@ def _report():
 def test_memory_table_has_units_in_headers_and_one_unit_per_column():
     report = _report()
     heads, rows = _html_table(report._repr_html_())
-    assert heads == ["strategy", "rank", "params (MB)", "grads (MB)", "optim (MB)",
-                     "state (MB)", "estimate (MB)", "diff (%)", "other (KB)", "in-flight (B)",
-                     "peak (B)", "rss (MB)"]
-    assert rows[0][2:8] == ["4", "4", "8", "16", "16.00", "+0.0"]
-    assert rows[2][2:8] == ["2", "2", "4", "8", "7.90", "+1.3"]  # a group: one unit for all five
-    assert rows[0][8:] == ["1.50", "0", "-", "412"]
-    assert "fsdp: fsdp &amp; friends" in report._repr_html_()
+    assert heads == ["strategy", "rank", "params (MiB)", "grads (MiB)", "optim (MiB)",
+                     "state (MiB)", "estimate (MiB)", "diff (%)", "other (KiB)", "in-flight (B)"]
+    # a group: one unit and one number of decimals for all five
+    assert rows[0][2:8] == ["3.81", "3.81", "7.63", "15.26", "15.26", "+0.0"]
+    assert rows[2][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
+    assert rows[0][8:] == ["1.46", "0"]
+    markup = report._repr_html_()
+    assert "fsdp rank 0: fsdp &amp; friends" in markup
     header, lines = _text_table(report.table())
-    assert header.startswith("strategy  rank  params (MB)") and lines[-1] == "fsdp: fsdp & friends"
+    assert header.startswith("strategy  rank  params (MiB)")
+    assert lines[4] == "fsdp rank 0: fsdp & friends" and lines[5].startswith("peak: not measured")
+    assert lines[6].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
+                               "which 286 MiB before the model was built")
     assert repr(report).startswith("<MemoryReport: 4 records>\n" + header)
     from IPython.core.formatters import DisplayFormatter
 
     data, _ = DisplayFormatter().format(report)
-    assert data["text/plain"] == repr(report) and "params (MB)" in data["text/html"]
+    assert data["text/plain"] == repr(report) and "params (MiB)" in data["text/html"]
+
+
+def test_one_quantity_reads_the_same_in_every_column_of_its_group():
+    # notebook 10's traffic table showed 18.52 and 18.5 for one size, and a ratio as "1"
+    rows = [{"a": 18.52 * 1024, "b": 18.5 * 1024, "r": 1.0}, {"a": 9.26 * 1024, "b": 18.5 * 1024,
+                                                              "r": 1.0}]
+    view = TableView(rows, [Column("a", kind="bytes", group="s"),
+                            Column("b", kind="bytes", group="s"), Column("r", decimals=3)])
+    assert view.headers() == ["a (KiB)", "b (KiB)", "r"]
+    assert view.cells() == [["18.52", "18.50", "1.000"], ["9.26", "18.50", "1.000"]]
+
+
+def test_a_ratio_column_has_one_number_of_decimals():
+    view = TableView([{"r": 1}, {"r": 18.5}, {"r": 0.46}], [Column("r", "vs torch")])
+    assert [c for (c,) in view.cells()] == ["1.000", "18.500", "0.460"]
+
+
+def test_a_note_is_kept_once():
+    view = TableView([{"a": 1}], ["a"], notes=["x", "y", "x"])
+    assert view.notes == ["x", "y"] and str(view).splitlines()[-2:] == ["x", "y"]
+
+
+def test_memory_notes_shared_by_ranks_and_strategies_are_written_once():
+    same = "DeepSpeed keeps an fp32 master copy"
+    recs = [_record(s, r, 1000, notes=[same, f"rank note {r}"] if s != "ddp" else [])
+            for s in ("ddp", "deepspeed_zero1", "deepspeed_zero2") for r in (0, 1)]
+    notes = MemoryReport(recs)._view().notes
+    assert notes[:3] == [f"deepspeed_zero1, deepspeed_zero2: {same}",
+                         "deepspeed_zero1 rank 0, deepspeed_zero2 rank 0: rank note 0",
+                         "deepspeed_zero1 rank 1, deepspeed_zero2 rank 1: rank note 1"]
+
+
+def test_a_measured_peak_is_a_column_and_rss_a_note():
+    recs = [_record("ddp", r, 4 << 20, peak=(20 << 20) + r, rss=(400 << 20) + r * (5 << 20))
+            for r in (0, 1)]
+    view = MemoryReport(recs)._view()
+    assert view.headers()[-1] == "peak (MiB)" and view.cells()[0][-1] == "20.0"
+    assert not any(n.startswith("peak:") for n in view.notes)
+    assert view.notes[-1].startswith("rss (process memory, not in the table): 400 to 405 MiB "
+                                     "per rank")
 
 
 def test_memory_exports_keep_bytes():
@@ -216,12 +261,12 @@ def test_estimate_table_text_and_html():
     table = memory.estimate_table("7.5B", 64, ["ddp", "zero1", "fsdp"], "bf16-mixed")
     text = str(table)
     header, lines = _text_table(text)
-    assert header.startswith("strategy  stage") and header.endswith("per rank (MB)")
-    assert lines[0].split()[-1] == "120000" and lines[1].split()[-1] == "31406"
-    assert lines[2].split()[-1] == "1875"
+    assert header.startswith("strategy  stage") and header.endswith("per rank (MiB)")
+    assert lines[0].split()[-1] == "114441" and lines[1].split()[-1] == "29951"
+    assert lines[2].split()[-1] == "1788"
     assert lines[3].startswith("ddp: plain DP: 2Ψ + 2Ψ + 12Ψ = 16Ψ")
     heads, rows = _html_table(table._repr_html_())
-    assert heads == ["strategy", "stage", "params (MB)", "grads (MB)", "optimizer (MB)",
-                     "per rank (MB)"]
-    assert rows[2] == ["fsdp", "ZeRO-3", "234", "234", "1406", "1875"]
+    assert heads == ["strategy", "stage", "params (MiB)", "grads (MiB)", "optimizer (MiB)",
+                     "per rank (MiB)"]
+    assert rows[2] == ["fsdp", "ZeRO-3", "224", "224", "1341", "1788"]
     assert "Ψ=7,500,000,000, N=64" in table._repr_html_()
