@@ -128,6 +128,16 @@ def unit_for(nbytes: float):
     return 1.0, "B"
 
 
+def binary_unit_for(nbytes: float):
+    """``(scale, name)`` of the binary unit that shows ``nbytes`` best, as the tables use:
+    (1048576, "MiB")..."""
+    for name, scale in (("TiB", float(1 << 40)), ("GiB", float(GiB)), ("MiB", float(MiB)),
+                        ("KiB", float(KiB))):
+        if nbytes >= scale:
+            return scale, name
+    return 1.0, "B"
+
+
 def human_bytes(n: float) -> str:
     """``31406250000`` -> ``"31.4 GB"`` (decimal units, as the ZeRO paper)."""
     scale, unit = unit_for(n)

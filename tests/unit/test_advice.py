@@ -30,4 +30,4 @@ def test_the_threads_note_names_the_magics_option(capsys, monkeypatch):
     opts = {"threads": None, "env": None, "world_size": 997}  # a note no other test prints
     with option_names(START_OPTIONS):
         threads_per_rank(opts)
-    assert "shared by 997 ranks); pass --threads N to change." in capsys.readouterr().err
+    assert "shared by 997 ranks); pass --threads N to change." in capsys.readouterr().out

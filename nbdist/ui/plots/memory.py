@@ -6,7 +6,7 @@ from typing import Iterable, Optional
 
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from ...report.units import unit_for
+from ...report.units import binary_unit_for, unit_for
 from . import style
 
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "other": "#8172B3"}
@@ -18,7 +18,8 @@ def plot_memory(records: Iterable, ax=None):
 
     ``records``: a :class:`nbdist.memory.MemoryReport` or any iterable of
     :class:`nbdist.memory.MemoryRecord`. The ZeRO estimate of each record is a black dash across its
-    bar; bars are grouped by strategy, one per rank. The unit (KB, MB, GB) follows the data. The
+    bar; bars are grouped by strategy, one per rank. The unit (KiB, MiB, GiB, as the memory
+    tables') follows the data. The
     legend sits right of the bars (it covers none); with many strategies, names break after
     their first ``_``.
     """
@@ -26,7 +27,7 @@ def plot_memory(records: Iterable, ax=None):
     if not records:
         raise ValueError("plot_memory() needs at least one MemoryRecord "
                          "(from nbdist.memory.measure)")
-    unit, unit_name = unit_for(max(r.model_state + r.other for r in records))
+    unit, unit_name = binary_unit_for(max(r.model_state + r.other for r in records))
     strategies = list(dict.fromkeys(r.strategy for r in records))
     if ax is None:
         _, ax = style.new_figure(4.2)
