@@ -53,9 +53,10 @@ class Group(Dispatch):
         env: extra environment variables for the ranks.
         debug: ``"detail"`` sets torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks before
             ``init_process_group``: every collective is checked against the other ranks', and a
-            mismatch raises a :class:`RemoteError` naming each rank's call (op, shapes, dtype); small
-            collectives cost about 3x. On torch 2.13 with gloo a DDP model's backward crashes every
-            rank (SIGSEGV) in this mode. ``"off"`` (default); ``True``/``False`` mean the same.
+            mismatch raises a :class:`RemoteError` naming each rank's call (op, shapes, dtype);
+            small collectives cost about 3x. On torch 2.13 with gloo, a DDP model's backward
+            crashes every rank (SIGSEGV) in this mode. ``"off"`` (the default); ``True`` and
+            ``False`` mean the same.
         grace: seconds a rank gets to react to SIGINT before it is killed.
         auto_restart: restart the group by itself after a failure that broke it.
         output: ``sink(rank, stream, text)`` receiving every line of the ranks' output, in order,
@@ -72,8 +73,9 @@ class Group(Dispatch):
                  device: Optional[str] = "auto", timeout: float = 60.0, *,
                  call_timeout: Optional[float] = None, init_timeout: Optional[float] = None,
                  threads: Optional[int] = None, env: Optional[Dict[str, str]] = None,
-                 debug: Union[str, bool, None] = "off", grace: float = 0.5, auto_restart: bool = False,
-                 output: Optional[Sink] = None, max_world_size: Optional[int] = None,
+                 debug: Union[str, bool, None] = "off", grace: float = 0.5,
+                 auto_restart: bool = False, output: Optional[Sink] = None,
+                 max_world_size: Optional[int] = None,
                  dedupe_output: bool = True, stall: Optional[float] = 60.0,
                  _launcher: Optional[Launcher] = None):
         self.id = secrets.token_hex(4)

@@ -152,7 +152,7 @@ def check_options(opts: Dict) -> None:
         raise ValueError(f"threads must be a positive int, got {opts['threads']!r}")
 
 
-#: ``debug=`` values: the level torch's ``TORCH_DISTRIBUTED_DEBUG`` gets on the ranks (``None``: unset)
+#: ``debug=`` values: the level of torch's ``TORCH_DISTRIBUTED_DEBUG`` on the ranks (None: unset)
 DEBUG_LEVELS = {"off": None, "detail": "DETAIL"}
 
 #: said once, when a group starts with ``debug="detail"``

@@ -83,6 +83,8 @@ class JobMagics(NbdistMagics):
             print(f"nbdist: stopped waiting; job {job.name!r} is still running "
                   f"(job.interrupt() stops it).")
             return None
+        if job.paused:  # waiting on would last until someone attaches, from another cell
+            job.result(0)  # raises JobPausedError: where it is paused, and how to attach
         finish_views(job)  # each live view of the job draws its final figure first
         values = job.result()
         if not args.quiet:
@@ -114,12 +116,12 @@ def _steps(job: Job) -> str:
 
 
 def _wait_with_bar(job: Job) -> None:
-    if job.wait(0.3):
+    if job.wait(0.3) or job.paused:
         return
     from tqdm.auto import tqdm
 
     with tqdm(desc=f"job {job.name}", unit="step") as bar:
-        while not job.wait(0.3):
+        while not job.wait(0.3) and not job.paused:  # a paused job: wait() returns at once
             steps = [s for s in job.metrics.last_step().values() if s is not None]
             if steps:
                 bar.n = min(steps) + 1  # the slowest rank's progress
