@@ -4,11 +4,12 @@ cell, labelled with the rank.
 
 On the rank (:func:`install`, at start-up), the three entry points make a :class:`RankPdb`, whose
 stdin and stdout are the control channel: what pdb prints, up to its prompt, goes to the notebook
-as ``("pdb", seq, {"text": ...}, [])``; the rank's main thread -- the one that hit the breakpoint,
-and the only reader of the channel -- then waits for ``("pdb_cmd", seq, line)``. The other ranks
-run on until their next collective, and wait there. On the notebook's side the thread waiting on
-the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a line from
-the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended meanwhile. ``c``
+as ``("pdb", seq, {"text": ..., "where": "file:line (function)"}, [])``; the rank's main thread --
+the one that hit the breakpoint, and the only reader of the channel -- then waits for
+``("pdb_cmd", seq, line)``, which an interrupt may stop waiting for but never cuts in half. The
+other ranks run on until their next collective, and wait there. On the notebook's side the thread
+waiting on the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a
+line from the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended meanwhile. ``c``
 continues; ``q`` ends the call with an error that says so.
 
 A background job pauses at a breakpoint instead, and never blocks another cell: the job's thread

@@ -54,3 +54,15 @@ def test_off_and_the_bool_aliases_set_nothing_or_detail():
     assert debug_env("off") == debug_env(False) == debug_env(None) == {}
     assert debug_env("detail") == debug_env("DETAIL") == debug_env(True) == \
         {"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
+
+
+def test_ddp_under_detail_crashes_every_rank_as_the_start_note_says():
+    """torch 2.13's DETAIL wrapper with DDP on gloo: SIGSEGV in the first backward pass (plain
+    torch.multiprocessing.spawn too). Pinned so that the note and the docs change when torch's
+    behaviour does."""
+    with nbdist.start(2, debug="detail", timeout=20) as g:
+        with pytest.raises(nbdist.RankDiedError) as info:
+            g.exec("m = torch.nn.parallel.DistributedDataParallel(torch.nn.Linear(4, 4))\n"
+                   "m(torch.ones(2, 4)).sum().backward()")
+        assert "rank 0 was killed by SIGSEGV (exit code -11); rank 1 was killed by SIGSEGV" in \
+            str(info.value)

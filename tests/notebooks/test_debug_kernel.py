@@ -150,7 +150,10 @@ def test_a_background_job_pauses_at_a_breakpoint_and_dist_debug_attaches(kernel)
 
 
 def test_q_in_dist_debug_ends_the_background_job_with_an_error(kernel):
-    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2 --debug detail")[0] == "ok"
+    status, text, _, _ = run(kernel, "%%dist\nimport os\n"
+                                     "print(os.environ['TORCH_DISTRIBUTED_DEBUG'])")
+    assert status == "ok" and "DETAIL" in text, text  # --debug detail reached the ranks
     assert run(kernel, "%%dist --bg bq\nz = 5\nif rank == 1:\n    breakpoint()\nz")[0] == "ok"
     assert run(kernel, "bq.wait(60)\nprint(bq.state)")[1] == "paused\n"
     status, text, prompts, errors = run(kernel, "%dist_debug bq", ["p z", "q"])
