@@ -9,8 +9,8 @@ the one that hit the breakpoint, and the only reader of the channel -- then wait
 ``("pdb_cmd", seq, line)``, which an interrupt may stop waiting for but never cuts in half. The
 other ranks run on until their next collective, and wait there. On the notebook's side the thread
 waiting on the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a
-line from the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended meanwhile. ``c``
-continues; ``q`` ends the call with an error that says so.
+line from the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended
+meanwhile. ``c`` continues; ``q`` ends the call with an error that says so.
 
 A background job pauses at a breakpoint instead, and never blocks another cell: the job's thread
 keeps the rank's prompt in the job's :class:`Pauses` (``job.state`` is ``"paused"``; its timeout
