@@ -8,8 +8,8 @@ no recording and to torch's own ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks, in on
    blocks; the difference per call is the recorder's cost.
 2. A data-parallel step loop on a 2-rank nbdist group (Linear 256x256 x2, batch 32, SGD; each
    gradient all_reduced by hand, and the loss for logging: 5 collectives a step): median step
-   time with the recorder (the default), with ``NBDIST_RECORD=0``, and with ``start(debug=True)``
-   (DETAIL), the modes rotating per round. Not DDP: its gradient all_reduces are issued from C++,
+   time with the recorder (the default), with ``NBDIST_RECORD=0``, and with
+   ``start(debug="detail")`` (DETAIL), the modes rotating per round. Not DDP: its gradient all_reduces are issued from C++,
    which the recorder does not see, and DDP under DETAIL is killed by SIGSEGV on torch 2.13 (gloo,
    CPU; plain ``mp.spawn`` too).
 
@@ -77,8 +77,8 @@ def per_call(calls: int):
 def step_loop(steps: int, rounds: int):
     import nbdist
 
-    modes = {"recorder (default)": ({}, False), "NBDIST_RECORD=0": ({"NBDIST_RECORD": "0"}, False),
-             "DETAIL": ({}, True)}
+    modes = {"recorder (default)": ({}, "off"), "NBDIST_RECORD=0": ({"NBDIST_RECORD": "0"}, "off"),
+             "DETAIL": ({}, "detail")}
     out = {m: [] for m in modes}
     names = list(modes)
     for rnd in range(rounds):

@@ -13,7 +13,7 @@ import sys as _sys
 
 from .backends import available_backends, register_backend, resolve_backend
 from .errors import (BackendError, DistTimeoutError, GroupBusyError, GroupClosedError,
-                     GroupInterrupted, NbdistError, RankDiedError, RemoteError)
+                     GroupInterrupted, JobPausedError, NbdistError, RankDiedError, RemoteError)
 from .runtime.api import attach, launch, start, stop_all
 from .runtime.group import Group, current_group, use_group
 from .runtime.jobs import Job
@@ -30,6 +30,7 @@ __all__ = sorted([
     "GroupBusyError",
     "GroupClosedError",
     "GroupInterrupted",
+    "JobPausedError",
     "Job",
     "Metrics",
     "Stacks",

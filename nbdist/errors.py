@@ -52,6 +52,15 @@ class GroupBusyError(NbdistError):
         super().__init__(message)
 
 
+class JobPausedError(NbdistError):
+    """A background job is paused at a breakpoint (``job`` is that job): waiting for its result
+    would last until someone attaches a debugger (``%dist_debug NAME``, ``job.debug()``)."""
+
+    def __init__(self, message: str, job=None):
+        self.job = job
+        super().__init__(message)
+
+
 class RemoteError(NbdistError):
     """User code raised an exception on one or more ranks.
 
@@ -227,17 +236,17 @@ def describe_exit(code) -> str:
 _HINTS = (
     ("Received data size doesn't match",
      "This is a collective mismatch: ranks called the same collective with different tensor "
-     "shapes or dtypes. Start the group with debug=True (TORCH_DISTRIBUTED_DEBUG=DETAIL) to see "
-     "each rank's call."),
+     "shapes or dtypes. Start the group with debug='detail' (TORCH_DISTRIBUTED_DEBUG=DETAIL) to "
+     "see each rank's call."),
     ("Detected mismatch between collectives",
      "The ranks ran different collectives (or different shapes) at the same step; the message "
      "lists each rank's call."),
     ("for recv operation to complete",
      "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
-     "different collectives. Start the group with debug=True to check for a mismatch."),
+     "different collectives. Start the group with debug='detail' to check for a mismatch."),
     ("for send operation to complete",
      "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
-     "different collectives. Start the group with debug=True to check for a mismatch."),
+     "different collectives. Start the group with debug='detail' to check for a mismatch."),
     ("Application timeout caused pair closure",
      "The process group is dead after an earlier timeout; call restart()."),
     ("Connection closed by peer",

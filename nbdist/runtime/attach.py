@@ -29,6 +29,7 @@ from .processes import RemoteProcess
 from .ranks import Rank
 from .ready import Admission, accept_until_ready
 from .rendezvous import host_store
+from .status import debug_env
 from .teardown import interrupts_deferred
 
 TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
@@ -107,8 +108,7 @@ class AttachLauncher(Launcher):
                       "timeout": float(opts["timeout"]), "threads": threads,
                       "custom_backends": custom_backend_blobs(choice), "rank_hooks": RANK_HOOKS,
                       "store_tcp": (host, store.port),
-                      "env": dict(opts["env"] or {}, **({"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}
-                                                        if opts["debug"] else {}))}
+                      "env": dict(opts["env"] or {}, **debug_env(opts["debug"]))}
             admission = self._admission(ws, config, relay, self.progress)
             ranks: Dict[int, Rank] = {}
             try:

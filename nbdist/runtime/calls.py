@@ -60,6 +60,7 @@ class Call:
         #: else (a background job) pdb is told to continue (:mod:`.rankpdb`)
         self.interactive = threading.current_thread() is threading.main_thread()
         self.debugged: set = set()  #: ranks whose pdb prompted in this call
+        self.pauses: Optional[rankpdb.Pauses] = None  #: a job's ranks at a breakpoint
         #: where the ranks were when the call was last seen stalled (``None``: not stalled)
         self.stalled = None
         self.stalled_since: Optional[float] = None
@@ -147,12 +148,15 @@ class Call:
     def cancel(self) -> None:
         """Ask the waiting thread to end the call as interrupted (any thread; see ``tick``)."""
         self._cancelled = True
+        if self.pauses is not None:  # a paused job is paused no more: it is being stopped
+            self.pauses.stopping = True
 
     def wait(self, rs: RankSet, tick: Optional[float] = None, on_tick=None) -> str:
         """Block until the outcome is known; return it (also kept in :attr:`outcome`).
 
         ``tick``: wake at least this often to notice :meth:`cancel` (background jobs), and call
         ``on_tick()`` each time (a job's stall watch, :class:`~nbdist.runtime.stacks.StallWatch`).
+        While a rank of a job waits at a breakpoint (:attr:`pauses`), the deadline waits too.
         """
         if self.outcome is not None:  # interrupted while sending
             return self.outcome
@@ -160,7 +164,11 @@ class Call:
             while self.pending and not self.dead:
                 if self._cancelled:
                     self.outcome = INTERRUPTED
+                    if self.pauses is not None:  # ranks at a breakpoint leave pdb (q)
+                        self.pauses.quit_all()
                     return self.outcome
+                if self.pauses is not None:  # a rank at a breakpoint: the deadline waits
+                    self.pauses.hold(self)
                 remaining = None if self.deadline is None else self.deadline - time.monotonic()
                 if remaining is not None and remaining <= 0:
                     self.outcome = TIMEOUT

@@ -23,7 +23,7 @@ from typing import Any, List, Optional
 
 from ..errors import GroupClosedError, GroupInterrupted, RemoteError
 from ..wire import segments
-from . import requests, stacks
+from . import rankpdb, requests, stacks
 from .calls import Call, lost_results, settle
 from .jobs import Job
 
@@ -76,7 +76,8 @@ class Dispatch:
         """Post-mortem pdb on ``rank``: run one pdb ``command`` (``p x``, ``up``, ``l``, ``where``
         ...) on the traceback of the rank's last failed call, which the rank keeps until its
         next call; return what pdb printed. ``None`` starts: the exception and the line that
-        raised it. What ``%dist_debug`` runs, one prompt at a time."""
+        raised it. What ``%dist_debug`` runs, one prompt at a time. (A background job paused at
+        a breakpoint has its own, live: :meth:`Job.debug <nbdist.Job.debug>`.)"""
         return self._call(requests.debug_request(command), [rank], None)[0]
 
     def _begin(self, req: requests.Request, ranks, timeout) -> Call:
@@ -163,6 +164,7 @@ class Dispatch:
                 call.interactive = False  # nothing answers a prompt in the background
                 self._out.show_job(call, name)  # before any line can come
                 rs = self._rs
+                call.pauses = rankpdb.Pauses(rs, call.seq)  # a breakpoint pauses the job
                 job = Job(name, call, lambda: self._finish_job(call, rs, req, name))
                 self._send(call)
                 if call.outcome is not None:  # a Ctrl-C while sending: settled here, no job
@@ -207,4 +209,5 @@ class Dispatch:
                     raise lost
                 return self._end(call)
         finally:
+            call.pauses.end()  # nobody can attach any more
             segments.remove_segments(req.segments)

@@ -14,7 +14,8 @@ import threading
 import time
 from typing import Any, Callable, Dict, List, Optional
 
-from ..errors import GroupBusyError
+from ..errors import GroupBusyError, JobPausedError
+from . import rankpdb
 from .calls import INTERRUPTED, OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
 from .metrics import Metrics, format_value
 
@@ -86,9 +87,20 @@ class Job:
         return self.call.stalled if not self.done() else None
 
     @property
+    def paused(self) -> Optional[Dict[int, str]]:
+        """While ranks of the job wait at a breakpoint: ``{rank: "file:line (function)"}``, else
+        ``None``. Attach with :meth:`debug` (``%dist_debug NAME``); until then the job's timeout
+        and stall watch are suspended, and nothing else is held up."""
+        pauses = self.call.pauses
+        return (pauses.where() or None) if pauses is not None and not self.done() else None
+
+    @property
     def state(self) -> str:
-        """``"running"``, ``"stalled"``, ``"done"``, ``"failed"`` or ``"interrupted"``."""
+        """``"running"``, ``"paused"`` (at a breakpoint), ``"stalled"``, ``"done"``, ``"failed"``
+        or ``"interrupted"``."""
         if not self.done():
+            if self.paused:
+                return "paused"
             return "stalled" if self.call.stalled is not None else "running"
         if self._error is None:
             return "done"
@@ -105,19 +117,38 @@ class Job:
         return self._error if self.done() else None
 
     def wait(self, timeout: Optional[float] = None) -> bool:
-        """Wait up to ``timeout`` seconds (``None``: until it ends); True if it has ended."""
-        return self._done.wait(timeout)
+        """Wait up to ``timeout`` seconds (``None``: until it ends); True if it has ended. While
+        the job is :attr:`paused` at a breakpoint it returns False at once: it would wait until
+        someone attaches (:meth:`debug`)."""
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.paused:
+            left = 0.1 if end is None else min(0.1, end - time.monotonic())
+            if left <= 0 or self._done.wait(left):
+                break
+        return self._done.is_set()
 
     def result(self, timeout: Optional[float] = None) -> List[Any]:
         """The per-rank results, waiting for them; raises what a blocking call would have raised
-        (``RemoteError``, ``RankDiedError``, ``DistTimeoutError``, ``GroupInterrupted``), or
-        ``TimeoutError`` if the job still runs after ``timeout`` seconds (it keeps running)."""
-        if not self._done.wait(timeout):
+        (``RemoteError``, ``RankDiedError``, ``DistTimeoutError``, ``GroupInterrupted``),
+        ``TimeoutError`` if the job still runs after ``timeout`` seconds (it keeps running), or
+        :class:`~nbdist.JobPausedError` while it is :attr:`paused` at a breakpoint."""
+        if not self.wait(timeout):
+            if self.paused:
+                raise JobPausedError(rankpdb.paused_text(self), self)
             raise TimeoutError(f"job {self.name!r} is still running after {timeout:g} s; wait "
                                "longer, or stop it with job.interrupt()")
         if self._error is not None:
             raise self._error
         return self._results
+
+    def debug(self, command: Optional[str] = None, rank: Optional[int] = None) -> str:
+        """pdb on a rank of this job :attr:`paused` at a breakpoint (default: the first such
+        rank), one command at a time, as :meth:`Group.debug <nbdist.Group.debug>` is post-mortem
+        (what ``%dist_debug NAME`` runs): ``None`` returns what pdb printed before its prompt; a
+        command (``p x``, ``n``, ``l``, ``where``...) runs there and returns what pdb printed
+        next. ``c`` lets the job run on, ``q`` ends it with an error; both return ``""``. A
+        ``LookupError`` says so when that rank is not at a breakpoint."""
+        return rankpdb.attach(self, command, rank)
 
     def interrupt(self) -> None:
         """Stop the job as Ctrl-C stops a blocking call: the ranks get SIGINT; those still blocked
@@ -150,7 +181,9 @@ class Job:
         text = (f"job {self.name!r}: {self.state}, {self.elapsed:.1f} s"
                 + (f" ({where})" if where else "") + (f"; {note}" if note else ""))
         stalled, since = self.call.stalled, self.call.stalled_since
-        if stalled is not None and not self.done() and since is not None:
+        if self.paused:
+            text += "; " + rankpdb.paused_text(self, short=True)
+        elif stalled is not None and not self.done() and since is not None:
             quiet = min(time.time() - since, self.elapsed)
             text += (f"; no progress for {quiet:.1f} s (nothing logged or printed, "
                      f"no collective completed):\n{stalled.summary()}")

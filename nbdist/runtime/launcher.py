@@ -30,6 +30,7 @@ from .forkserver import check_start_method, main_hidden, mp_context
 from .processes import LocalProcess
 from .ranks import Rank, RankSet, kill_all
 from .ready import Admission, accept_until_ready
+from .status import debug_env
 from .streams import stream_mode
 from .teardown import interrupts_deferred, run_all
 
@@ -185,8 +186,7 @@ class LocalLauncher(Launcher):
         """Start ``world_size`` workers; return them once all are ready (or raise, leaving none)."""
         env = dict(os.environ)
         env.update(opts["env"] or {})
-        if opts["debug"]:
-            env["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        env.update(debug_env(opts["debug"]))
         stream_mode(env)  # a bad NBDIST_STREAMS is refused here, before any rank starts
         shared = segments.shared_files(env)  # and a bad NBDIST_TENSORS
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),

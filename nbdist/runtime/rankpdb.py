@@ -4,24 +4,37 @@ cell, labelled with the rank.
 
 On the rank (:func:`install`, at start-up), the three entry points make a :class:`RankPdb`, whose
 stdin and stdout are the control channel: what pdb prints, up to its prompt, goes to the notebook
-as ``("pdb", seq, {"text": ...}, [])``; the rank's main thread -- the one that hit the breakpoint,
-and the only reader of the channel -- then waits for ``("pdb_cmd", seq, line)``. The other ranks
-run on until their next collective, and wait there. On the notebook's side the thread waiting on
-the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a line from
-the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended meanwhile. ``c``
-continues; ``q`` ends the call with an error that says so. A background job does not stop at a
-breakpoint (it has no prompt to answer): the rank is told to continue, and says so in its output.
+as ``("pdb", seq, {"text": ..., "where": "file:line (function)"}, [])``; the rank's main thread --
+the one that hit the breakpoint, and the only reader of the channel -- then waits for
+``("pdb_cmd", seq, line)``, which an interrupt may stop waiting for but never cuts in half. The
+other ranks run on until their next collective, and wait there. On the notebook's side the thread
+waiting on the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a
+line from the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended
+meanwhile. ``c`` continues; ``q`` ends the call with an error that says so.
+
+A background job pauses at a breakpoint instead, and never blocks another cell: the job's thread
+keeps the rank's prompt in the job's :class:`Pauses` (``job.state`` is ``"paused"``; its timeout
+and stall watch are suspended) until someone attaches from any cell (:meth:`Job.debug
+<nbdist.Job.debug>`, ``%dist_debug NAME``) and answers it. A blocking call made from another
+thread (nothing can prompt there) tells the rank to continue, which says so in its output.
 """
 from __future__ import annotations
 
+import _signal
 import io
 import pdb
+import select
 import sys
+import threading
 import time
 from typing import Any, Dict, Optional
 
+from .worker_signals import SIGINT_MASK, SIGINT_SET
+
 PROMPT = "(Pdb) "
-BACKGROUND = "\x00background"  #: the notebook's answer in a background job: say so, continue
+BACKGROUND = "\x00background"  #: the notebook's answer where nothing can prompt: say so, continue
+#: pdb commands that let the program run on without a prompt to come (the others prompt again)
+RESUME = ("c", "cont", "continue", "q", "quit", "exit")
 _worker: Any = None  # the rank's _Worker (its channel, the request running)
 
 
@@ -32,6 +45,7 @@ class _Wire(io.TextIOBase):
     def __init__(self):
         super().__init__()
         self._out: list = []
+        self.debugger: Optional[pdb.Pdb] = None
 
     def writable(self) -> bool:
         return True
@@ -48,19 +62,25 @@ class _Wire(io.TextIOBase):
 
     def readline(self, size: int = -1) -> str:
         text, self._out = "".join(self._out), []
-        return _ask(text) + "\n"
+        where = ""
+        stack = getattr(self.debugger, "stack", None)
+        if stack:  # where the program stopped (not the frame ``up`` moved to)
+            frame, line = stack[-1]
+            where = f"{frame.f_code.co_filename}:{line} ({frame.f_code.co_name})"
+        return _ask({"text": text, "where": where}) + "\n"
 
 
-def _ask(text: str) -> str:
+def _ask(body: Dict[str, str]) -> str:
     worker = _worker
     seq = worker.interrupts.running
-    worker.channel.send(("pdb", seq, {"text": text}, []))
+    worker.channel.send(("pdb", seq, body, []))
     while True:
-        kind, s, payload = worker.channel.recv()
+        kind, s, payload = _recv_whole(worker.channel)
         if kind == "pdb_cmd" and payload == BACKGROUND:
-            sys.stderr.write(f"nbdist: rank {worker.rank} hit a breakpoint in a background job; it "
-                             "continues (pdb prompts in blocking calls only: %%dist without --bg, "
-                             "or g.run).\n")
+            sys.stderr.write(f"nbdist: rank {worker.rank} hit a breakpoint in a call made from "
+                             "a thread other than the notebook's; it continues (nothing can "
+                             "prompt there: call from the notebook, or submit a background job "
+                             "and attach with job.debug()).\n")
             sys.stderr.flush()
             return "c"
         if kind == "pdb_cmd":
@@ -69,12 +89,26 @@ def _ask(text: str) -> str:
             worker.pool.release(payload)
 
 
+def _recv_whole(channel):
+    """The next message: an interrupt (the call being stopped) may end the wait for it, never
+    cut it in half -- SIGINT waits while a message is read, so the channel stays whole."""
+    select.select([channel], [], [])
+    if not SIGINT_MASK:  # Windows: no signal mask (and no SIGINT inside a socket read)
+        return channel.recv()
+    held = _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)
+    try:
+        return channel.recv()
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
+
+
 class RankPdb(pdb.Pdb):
     """pdb whose prompt is answered from the notebook."""
 
     def __init__(self):
         wire = _Wire()
         super().__init__(stdin=wire, stdout=wire, nosigint=True)
+        wire.debugger = self
         self.use_rawinput = False
         self.prompt = PROMPT
 
@@ -122,32 +156,170 @@ def install(worker) -> None:
 
 # ---- on the notebook's side ---------------------------------------------------------------------
 def answer(call, rs, rank: int, body: Dict[str, Any], interactive: bool) -> None:
-    """Show what rank ``rank``'s pdb printed, read the next command from the kernel's stdin and
-    send it (``interactive``: a blocking call in the notebook's thread; otherwise -- a background
-    job -- tell pdb to continue). The call's deadline moves by the time the prompt was open."""
-    text = body.get("text", "")
-    if text.endswith(PROMPT):
-        text = text[:-len(PROMPT)]
-    if not interactive:
-        line = BACKGROUND  # the rank says so in its output, and continues
+    """Rank ``rank``'s pdb waits for a command. A background job keeps the prompt in its
+    :class:`Pauses` until someone attaches (a job being stopped tells pdb to quit). A blocking
+    call in the notebook's thread (``interactive``) shows what pdb printed, reads the command from
+    the kernel's stdin and sends it; its deadline moves by the time the prompt was open. Any
+    other call tells pdb to continue."""
+    if call.pauses is not None:
+        if call.outcome is None:
+            call.pauses.post(rank, body)
+            return
+        line = "q"  # the job is being stopped (job.interrupt(), stop()): leave pdb
+    elif interactive:
+        line = _prompt(call, rank, body.get("text", ""))
     else:
-        if rank not in call.debugged:
-            call.debugged.add(rank)
-            print(f"nbdist: rank {rank} stopped at a breakpoint; this call's timeout is suspended "
-                  "while pdb is open (c continues, q ends the call).")
-        sys.stdout.write(text)
-        began = time.monotonic()
-        try:
-            line = input(f"(Pdb rank {rank}) ")
-        except EOFError:
-            line = "q"
-        except Exception as err:  # noqa: BLE001 -- a kernel run without stdin (nbclient, voila)
-            print(f"nbdist: rank {rank}'s pdb cannot prompt here ({type(err).__name__}: {err}); "
-                  "it continues.")
-            line = "c"
-        if call.deadline is not None:
-            call.deadline += time.monotonic() - began
+        line = BACKGROUND  # the rank says so in its output, and continues
     try:
         rs[rank].channel.send(("pdb_cmd", call.seq, line))
     except OSError:
         pass  # the rank is gone: the wait notices
+
+
+def _prompt(call, rank: int, text: str) -> str:
+    if text.endswith(PROMPT):
+        text = text[:-len(PROMPT)]
+    if rank not in call.debugged:
+        call.debugged.add(rank)
+        print(f"nbdist: rank {rank} stopped at a breakpoint; this call's timeout is suspended "
+              "while pdb is open (c continues, q ends the call).")
+    sys.stdout.write(text)
+    began = time.monotonic()
+    try:
+        line = input(f"(Pdb rank {rank}) ")
+    except EOFError:
+        line = "q"
+    except Exception as err:  # noqa: BLE001 -- a kernel run without stdin (nbclient, voila)
+        print(f"nbdist: rank {rank}'s pdb cannot prompt here ({type(err).__name__}: {err}); "
+              "it continues.")
+        line = "c"
+    if call.deadline is not None:
+        call.deadline += time.monotonic() - began
+    return line
+
+
+class Pauses:
+    """A background job's ranks stopped at a breakpoint, each waiting for a pdb command.
+
+    The job's thread, which reads the ranks' channels, posts each prompt (:meth:`post`); whoever
+    attaches (:meth:`Job.debug <nbdist.Job.debug>`, ``%dist_debug NAME``), from any thread, reads
+    it (:meth:`prompt`) and answers (:meth:`command`). While a rank waits here the job's deadline
+    does not run (:meth:`hold`) and its stall watch looks for nothing. Its lock is a leaf."""
+
+    def __init__(self, rs, seq: int):
+        self._cond = threading.Condition(threading.Lock())
+        self._rs, self._seq = rs, seq
+        self._prompts: Dict[int, Dict[str, str]] = {}
+        self._ended = False
+        self._last: Optional[float] = None  # the job thread's last tick (hold)
+        #: the job is being stopped (``job.interrupt()``): its prompts are only there to be quit
+        self.stopping = False
+
+    def post(self, rank: int, body: Dict[str, str]) -> None:
+        """(The job's thread.) Rank ``rank``'s pdb waits: what it printed, and where."""
+        with self._cond:
+            self._prompts[rank] = body
+            self._cond.notify_all()
+
+    def end(self) -> None:
+        """(The job's thread.) The job's wait is over: no rank waits any more."""
+        with self._cond:
+            self._ended = True
+            self._prompts.clear()
+            self._cond.notify_all()
+
+    def quit_all(self) -> None:
+        """(Any thread: the job is being stopped.) Every waiting rank leaves pdb (``q``)."""
+        with self._cond:
+            ranks, self._prompts = list(self._prompts), {}
+        for rank in ranks:
+            try:
+                self._rs[rank].channel.send(("pdb_cmd", self._seq, "q"))
+            except OSError:
+                pass  # the rank is gone: the job's wait notices
+
+    def where(self) -> Dict[int, str]:
+        """Each waiting rank's ``file:line (function)``, by rank."""
+        with self._cond:
+            if self.stopping:
+                return {}
+            return {r: body.get("where", "") for r, body in sorted(self._prompts.items())}
+
+    def hold(self, call) -> bool:
+        """(The job's thread, every tick.) Move the call's deadline on by the time a rank waited
+        here since the last tick; True while one waits."""
+        now = time.monotonic()
+        with self._cond:
+            waiting = bool(self._prompts)
+        if waiting and self._last is not None and call.deadline is not None:
+            call.deadline += now - self._last
+        self._last = now
+        return waiting
+
+    def prompt(self, rank: int) -> str:
+        """What rank ``rank``'s pdb printed before its prompt (LookupError: it does not wait)."""
+        with self._cond:
+            if rank not in self._prompts or self.stopping:
+                raise LookupError(rank)
+            text = self._prompts[rank].get("text", "")
+        return text[:-len(PROMPT)] if text.endswith(PROMPT) else text
+
+    def command(self, rank: int, line: str) -> str:
+        """Send pdb ``line`` to rank ``rank`` (LookupError: it does not wait). Unless the command
+        lets the program run on (:data:`RESUME`), wait for pdb's next prompt and return what it
+        printed; ``""`` when it resumed, or the rank left pdb as the job ended."""
+        with self._cond:
+            if rank not in self._prompts or self.stopping:
+                raise LookupError(rank)
+            del self._prompts[rank]
+        try:
+            self._rs[rank].channel.send(("pdb_cmd", self._seq, line))
+        except OSError:
+            return ""  # the rank is gone: the job's wait notices
+        if line.strip().split(" ")[0] in RESUME:
+            return ""
+        with self._cond:
+            while rank not in self._prompts and not self._ended:
+                self._cond.wait(0.5)  # a Ctrl-C in the asking thread lands between two waits
+        try:
+            return self.prompt(rank)
+        except LookupError:
+            return ""
+
+
+# ---- attaching to a paused background job ----------------------------------------------------
+def paused_text(job, short: bool = False) -> str:
+    """Where the ranks of ``job`` wait at a breakpoint, and how to go on (``short``: for the
+    job's one-line status)."""
+    where = job.paused or {}
+    ranks = "; ".join(f"rank {r} at a breakpoint, {w}" for r, w in where.items())
+    if short:
+        return (f"{ranks} (timeout and stall watch suspended; attach with %dist_debug "
+                f"{job.name} or job.debug())")
+    return (f"job {job.name!r} is paused: {ranks}, waiting for a debugger; waiting for its "
+            f"result would last until one attaches. Attach with %dist_debug {job.name} (or "
+            "job.debug()): c continues the job, q ends it. Its timeout and stall watch are "
+            "suspended meanwhile.")
+
+
+def attach(job, command: Optional[str], rank: Optional[int]) -> str:
+    """:meth:`Job.debug <nbdist.Job.debug>`: one pdb command on a paused rank of ``job``."""
+    where = job.paused or {}
+    if rank is None and where:
+        rank = min(where)
+    if rank not in where:
+        raise LookupError(_not_paused(job, rank, where))
+    try:
+        return job.call.pauses.prompt(rank) if command is None else \
+            job.call.pauses.command(rank, command)
+    except LookupError:  # it went on meanwhile (the job ended, or another thread answered)
+        raise LookupError(_not_paused(job, rank, job.paused or {})) from None
+
+
+def _not_paused(job, rank: Optional[int], where: Dict[int, str]) -> str:
+    if where:
+        return (f"rank {rank} of job {job.name!r} is not at a breakpoint; "
+                f"{'ranks' if len(where) > 1 else 'rank'} {', '.join(map(str, where))} "
+                f"{'are' if len(where) > 1 else 'is'} (--rank R / rank=R)")
+    return (f"job {job.name!r} is not at a breakpoint (it is {job.state}): a breakpoint() in a "
+            "background job pauses it there, and %dist_jobs then shows it as paused")

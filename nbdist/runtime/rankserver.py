@@ -235,6 +235,8 @@ class _Worker:
                 if self.pool is not None:
                     self.pool.release(payload)
                 continue
+            if kind == "pdb_cmd":  # the answer to a prompt pdb asked twice (an interrupt came
+                continue  # between its prompt and the read), after the call ended: dropped
             if kind != "debug":  # the next call: the last failure is forgotten
                 self.failure = self.postmortem = None
             ranklog.begin(self.rank, ranklog.sender(channel, seq))

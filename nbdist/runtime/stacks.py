@@ -173,8 +173,16 @@ class StallWatch:
         return len(call.metrics), sum(len(lines) for lines in call.output.values())
 
     def tick(self) -> None:
-        """Look for progress; ask for stacks when there was none for ``stall`` s."""
+        """Look for progress; ask for stacks when there was none for ``stall`` s. A job paused at
+        a breakpoint is not stalled: the watch starts again when it goes on."""
         now = time.monotonic()
+        pauses = self.call.pauses
+        if pauses is not None and pauses.where():
+            if self._asked is not None:  # answers nobody will read
+                self.rs.stacks.take(*self._asked[:2])
+                self._asked = None
+            self._progress(now)
+            return
         activity = self._activity()
         if activity != self._seen:
             self._seen = activity

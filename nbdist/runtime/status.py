@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 from ..errors import ExitStatus
+from .advice import option
 
 
 @dataclass
@@ -145,6 +146,33 @@ def check_options(opts: Dict) -> None:
         if name in TOO_SHORT and v is not None and v < MIN_TIMEOUT:  # checked before a restart
             raise ValueError(f"{name} must be at least {MIN_TIMEOUT:g} s ({TOO_SHORT[name]}), "
                              f"got {v!r}")
+    debug_env(opts.get("debug"))  # refuses a bad debug= value
     if opts["threads"] is not None and (not isinstance(opts["threads"], int)
                                         or opts["threads"] < 1):
         raise ValueError(f"threads must be a positive int, got {opts['threads']!r}")
+
+
+#: ``debug=`` values: the level of torch's ``TORCH_DISTRIBUTED_DEBUG`` on the ranks (None: unset)
+DEBUG_LEVELS = {"off": None, "detail": "DETAIL"}
+
+#: said once, when a group starts with ``debug="detail"``
+DETAIL_NOTE = ("nbdist: debug='detail' sets torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks: "
+               "every collective is checked against the other ranks' (a mismatch raises, naming "
+               "each rank's call), at about 3x the cost of a small collective. On torch 2.13 with "
+               "gloo, a DDP model's backward pass crashes every rank (SIGSEGV) in this mode: use "
+               "it without DDP (docs/troubleshooting.md).")
+
+
+def debug_env(value) -> Dict[str, str]:
+    """The ranks' environment for ``debug=value`` (``"detail"`` or ``True``: torch's
+    ``TORCH_DISTRIBUTED_DEBUG=DETAIL``; ``"off"``, ``False`` or ``None``: nothing); a ValueError
+    listing the accepted values for anything else."""
+    if value is None or isinstance(value, bool):
+        level = "DETAIL" if value else None
+    elif isinstance(value, str) and value.lower() in DEBUG_LEVELS:
+        level = DEBUG_LEVELS[value.lower()]
+    else:
+        raise ValueError(f"{option('debug')} got {value!r}; accepted: 'detail' (torch's "
+                         "TORCH_DISTRIBUTED_DEBUG=DETAIL: collectives checked across ranks, a "
+                         "mismatch named) or 'off' (the default); True and False mean the same")
+    return {"TORCH_DISTRIBUTED_DEBUG": level} if level else {}

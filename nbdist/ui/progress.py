@@ -22,8 +22,9 @@ def steps_done(job) -> Optional[int]:
 
 def wait_with_bar(job) -> None:
     """Wait until ``job`` ends, showing a bar of its logged steps if it runs longer than
-    :data:`POLL_S`. A ``KeyboardInterrupt`` ends the wait (the job goes on)."""
-    if job.wait(POLL_S):
+    :data:`POLL_S`, or until it pauses at a breakpoint (waiting on would last until someone
+    attaches, from another cell). A ``KeyboardInterrupt`` ends the wait (the job goes on)."""
+    if job.wait(POLL_S) or job.paused:
         return
     import sys
 
@@ -38,7 +39,7 @@ def wait_with_bar(job) -> None:
 
         handle = display(bar.container, display_id=True)
     try:
-        while not job.wait(POLL_S):
+        while not job.wait(POLL_S) and not job.paused:  # paused: wait() returns at once
             _move(bar, steps_done(job))
         done = steps_done(job)  # every step the ranks logged arrived before the job's end
         _move(bar, done)

@@ -104,14 +104,68 @@ def test_a_breakpoint_on_a_rank_prompts_in_the_cell(kernel):
     assert any("pdb was quit (q) on rank 0: the call ended there" in e for e in errors), errors
 
 
-def test_a_breakpoint_in_a_background_job_does_not_stop_it(kernel):
-    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2")[0] == "ok"
-    status, text, prompts, errors = run(
-        kernel, "%%dist --bg bp\nbreakpoint()\nrank * 10")
+BG = """%%dist --bg bp --timeout 3
+x = 41 + rank
+if rank == 1:
+    breakpoint()
+y = x + 1
+t = torch.ones(1)
+dist.all_reduce(t)
+y * 10 + t.item()
+"""
+
+
+def test_a_background_job_pauses_at_a_breakpoint_and_dist_debug_attaches(kernel):
+    start = "%load_ext nbdist\nimport nbdist\ng = nbdist.start(2, stall=1)"
+    assert run(kernel, start)[0] == "ok"
+    status, text, prompts, errors = run(kernel, BG)
     assert status == "ok" and prompts == [], (text, errors, prompts)
-    status, text, prompts, errors = run(kernel, "%dist_wait bp\nprint(bp.output)")
-    assert status == "ok" and prompts == [], (text, errors)
-    assert "rank 1 hit a breakpoint in a background job; it continues" in text, text
+    # another cell runs meanwhile and finishes: past the job's 3 s timeout and 1 s stall, on purpose
+    status, text, prompts, errors = run(kernel, "import time\ntime.sleep(4)\nprint('other', 6 * 7)")
+    assert status == "ok" and "other 42" in text and prompts == [], (text, errors)
+    status, text, _, errors = run(kernel, "bp.wait(60)\nprint(bp.state)\nprint(bp.describe())")
+    assert status == "ok", errors
+    assert text.startswith("paused\njob 'bp': paused, "), text
+    assert "; rank 1 at a breakpoint, <dist-cell-" in text and \
+        ":4 (<module>) (timeout and stall watch suspended; attach with %dist_debug bp or " \
+        "job.debug())" in text, text
+    # waiting on it would last until someone attaches: %dist_wait says so at once
+    status, text, prompts, errors = run(kernel, "%dist_wait bp")
+    assert status == "error" and prompts == [], (text, errors)
+    assert errors[0].startswith("JobPausedError: job 'bp' is paused: rank 1 at a breakpoint, "
+                                "<dist-cell-"), errors
+    assert "Attach with %dist_debug bp (or job.debug()): c continues the job, q ends it." in \
+        errors[0]
+    status, text, prompts, errors = run(kernel, "%dist_debug bp", ["p x", "n", "p y", "c"])
+    assert status == "ok", (text, errors)
+    assert prompts == ["(Pdb rank 1) "] * 4
+    assert text.startswith("nbdist: attached to rank 1 of job 'bp', at a breakpoint (<dist-cell-")
+    assert "(4)<module>()\n-> y = x + 1\n42\n" in text  # p x: the rank's own value
+    assert "(5)<module>()\n-> t = torch.ones(1)\n43\n" in text  # n, then p y
+    assert text.endswith("nbdist: rank 1 left pdb; job 'bp' runs on (%dist_wait bp waits for "
+                         "it).\n"), text
+    status, text, _, errors = run(kernel, "%dist_wait -q bp\nprint(bp.result())")
+    assert status == "ok" and text == "[422.0, 432.0]\n", (text, errors)  # after the all_reduce
+    assert run(kernel, "g.stop()")[0] == "ok"
+
+
+def test_q_in_dist_debug_ends_the_background_job_with_an_error(kernel):
+    assert run(kernel, "%load_ext nbdist\n%dist_start -n 2 --debug detail")[0] == "ok"
+    status, text, _, _ = run(kernel, "%%dist\nimport os\n"
+                                     "print(os.environ['TORCH_DISTRIBUTED_DEBUG'])")
+    assert status == "ok" and "DETAIL" in text, text  # --debug detail reached the ranks
+    assert run(kernel, "%%dist --bg bq\nz = 5\nif rank == 1:\n    breakpoint()\nz")[0] == "ok"
+    assert run(kernel, "bq.wait(60)\nprint(bq.state)")[1] == "paused\n"
+    status, text, prompts, errors = run(kernel, "%dist_debug bq", ["p z", "q"])
+    assert status == "ok" and prompts == ["(Pdb rank 1) "] * 2, (text, errors)
+    assert "\n5\nnbdist: rank 1 left pdb; job 'bq' ends with an error (pdb quit)" in text, text
+    status, text, _, errors = run(kernel, "%dist_wait bq")
+    assert status == "error" and "pdb was quit (q) on rank 1: the call ended there" in \
+        errors[0], errors
+    status, text, _, _ = run(kernel, "%dist_debug bq")  # IPython prints a UsageError
+    assert status == "error" and text.startswith(
+        "UsageError: job 'bq' is not at a breakpoint (it is failed): a breakpoint() in a "
+        "background job pauses it there, and %dist_jobs then shows it as paused"), text
 
 
 def test_a_breakpoint_where_the_kernel_has_no_stdin_continues_saying_so(kernel):

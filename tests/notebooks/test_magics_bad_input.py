@@ -91,6 +91,9 @@ def test_valid_code_that_ends_like_an_option_runs_as_code(shell, dist_group):
     ("--timeout 0.0001", "argument --timeout: expected at least 1 s"),
     ("--init-timeout 0.5", "argument --init-timeout: expected at least 1 s"),
     ("-n 10000", "or pass --max-world-size N to raise the limit"),
+    ("--debug nope", "--debug LEVEL got 'nope'; accepted: 'detail' (torch's "
+                     "TORCH_DISTRIBUTED_DEBUG=DETAIL: collectives checked across ranks, a mismatch "
+                     "named) or 'off' (the default)"),
 ])
 def test_restart_refuses_before_it_stops_anything_and_names_its_own_options(
         shell, dist_group, line, message):
@@ -119,4 +122,12 @@ def test_a_slow_start_advises_the_magics_init_timeout(shell, no_group):
             nbdist.start(2, backend="sleepy", init_timeout=1, timeout=60)  # the API's keyword
     finally:
         nbdist.backends.unregister_backend("sleepy")
+    assert magics.current_group() is None
+
+
+def test_start_with_a_bad_debug_level_is_refused_naming_the_magics_option(shell, no_group):
+    with pytest.raises(UsageError) as info:
+        shell.run_line_magic("dist_start", "--debug verbose")
+    assert str(info.value).startswith("--debug LEVEL got 'verbose'; accepted: 'detail' ")
+    assert "usage: %dist_start" in str(info.value)
     assert magics.current_group() is None

@@ -12,7 +12,8 @@ import nbdist
 API = {
     "nbdist": [
         "BackendError", "DistTimeoutError", "Group", "GroupBusyError", "GroupClosedError",
-        "GroupInterrupted", "Job", "Metrics", "NbdistError", "RankDiedError", "RemoteError", "Stacks",
+        "GroupInterrupted", "Job", "JobPausedError", "Metrics", "NbdistError", "RankDiedError",
+        "RemoteError", "Stacks",
         "attach", "available_backends", "current_group", "launch", "load_ipython_extension",
         "log", "register_backend",
         "resolve_backend", "start", "step", "stop_all", "unload_ipython_extension", "use_group",

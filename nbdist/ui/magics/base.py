@@ -95,8 +95,9 @@ def _start_seconds(option: str):
 
 
 #: how the advice of start() and restart() names their options while a magic runs them
-START_OPTIONS = {"init_timeout": "--init-timeout S", "max_world_size": "--max-world-size N",
-                 "threads": "--threads N", "timeout": "--timeout S"}
+START_OPTIONS = {"debug": "--debug LEVEL", "init_timeout": "--init-timeout S",
+                 "max_world_size": "--max-world-size N", "threads": "--threads N",
+                 "timeout": "--timeout S"}
 
 
 def _rank(text: str) -> int:

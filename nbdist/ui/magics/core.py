@@ -63,6 +63,9 @@ class DistMagics(NbdistMagics):
               help="torch threads per rank (default: the cores shared among the ranks)")
     @argument("--max-world-size", type=_positive(int), metavar="N",
               help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
+    @argument("--debug", metavar="LEVEL",
+              help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
+                   "checked across ranks (not with DDP on torch 2.13); off (default)")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -76,7 +79,7 @@ class DistMagics(NbdistMagics):
         with self._usage(self.dist_start), option_names(START_OPTIONS):
             group = start(args.world_size, args.backend, args.device, args.timeout,
                           init_timeout=args.init_timeout, threads=args.threads,
-                          max_world_size=args.max_world_size)
+                          max_world_size=args.max_world_size, debug=args.debug or "off")
         _started.add(group)
         use_group(group)
         self._say_ready(group, "started")
@@ -93,6 +96,9 @@ class DistMagics(NbdistMagics):
     @argument("--threads", type=_positive(int), metavar="N", help="torch threads per rank")
     @argument("--max-world-size", type=_positive(int), metavar="N",
               help="raise the limit on -n (4 ranks per CPU core; one rank per GPU)")
+    @argument("--debug", metavar="LEVEL",
+              help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
+                   "checked across ranks (not with DDP on torch 2.13); off (default)")
     def dist_restart(self, line: str = "") -> None:
         """Restart the current group with fresh workers; options not given stay as they were.
 

@@ -85,6 +85,8 @@ class JobMagics(NbdistMagics):
             print(f"nbdist: stopped waiting; job {job.name!r} is still running "
                   f"(job.interrupt() stops it).")
             return None
+        if job.paused:  # waiting on would last until someone attaches, from another cell
+            job.result(0)  # raises JobPausedError: where it is paused, and how to attach
         finish_views(job)  # each live view of the job draws its final figure first
         finish_output(job)  # and the display of what its ranks printed is complete
         values = job.result()
