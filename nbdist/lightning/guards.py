@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib
 import importlib.abc
 import importlib.util
+import logging
 import os
 import sys
 from typing import Any, Dict
@@ -186,11 +187,42 @@ def _backend_key(name: str) -> str:
         return name.lower()
 
 
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to the rank's ``sys.stdout`` of the moment (the one nbdist forwards)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stdout
+        super().emit(record)
+
+
+def _below_warning(record: logging.LogRecord) -> bool:
+    return record.levelno < logging.WARNING
+
+
+def _info_to_stdout(name: str) -> None:
+    """Lightning's package logger prints its INFO lines ("GPU available: False", "`Trainer.fit`
+    stopped") through a ``StreamHandler`` of its own on stderr, which a notebook shows as an error:
+    send the records below WARNING to stdout, keep warnings and errors on stderr. Idempotent."""
+    logger = logging.getLogger(name)
+    ours = [h for h in logger.handlers if isinstance(h, _StdoutHandler)]
+    theirs = [h for h in logger.handlers if type(h) is logging.StreamHandler]
+    if ours or not theirs:  # done already, or Lightning left its records to the root logger
+        return
+    for handler in theirs:
+        handler.addFilter(lambda record: not _below_warning(record))
+    info = _StdoutHandler()
+    info.setFormatter(theirs[0].formatter)
+    info.addFilter(_below_warning)
+    logger.addHandler(info)
+
+
 def _patch(pl: str) -> None:
     if pl in _patched:
         return
     _patched.add(pl)
     from . import deepspeed  # imports nbdist.strategies.deepspeed, which imports no DeepSpeed
+    for name in (pl, _FABRIC_OF[pl]):
+        _info_to_stdout(name)
     connector = importlib.import_module(pl + ".trainer.connectors.accelerator_connector")
     spawning = importlib.import_module(pl + ".strategies.launchers.multiprocessing")
     parallel = importlib.import_module(pl + ".strategies").ParallelStrategy

@@ -29,7 +29,7 @@ from .processes import RemoteProcess
 from .ranks import Rank
 from .ready import Admission, accept_until_ready
 from .rendezvous import host_store
-from .status import debug_env
+from .status import backend_name, debug_env
 from .teardown import interrupts_deferred
 
 TURN_AWAY = 30.0  #: s after stop() during which ranks torchrun restarts are told to go at once
@@ -231,9 +231,7 @@ def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> Ba
     naming the ranks when they resolved it differently (e.g. some nodes have GPUs, some not)."""
     seen: Dict[Tuple[str, str], list] = {}
     for rank, info in sorted(infos.items()):
-        config = str(info.get("backend", ""))  # "cpu:gloo,cuda:gloo" -> "gloo"
-        names = {part.rpartition(":")[2].strip() for part in config.split(",")}
-        backend = names.pop() if len(names) == 1 else config
+        backend = backend_name(str(info.get("backend", "")))
         seen.setdefault((backend, str(info.get("device"))), []).append(rank)
     if len(seen) > 1:
         said = "; ".join(f"{ranks_phrase(rs)}: backend {b}, device {d}"

@@ -205,7 +205,8 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
     where = stacks.at_timeout(call, rs, waiting, world_size) if call.outcome == TIMEOUT else None
     killed, torn = _stop_pending(call, rs, grace)
     ended = (rs.abort_remote() if killed else []) if rs.ends_survivors else None
-    after = _after_stop_text(killed, torn, grace, auto_restart, ended, rs)
+    stopped = [r for r in waiting if r not in killed]
+    after = _after_stop_text(killed, torn, grace, auto_restart, ended, rs, stopped)
     if call.outcome == TIMEOUT:
         seen = f"\nWhere they were when the time ran out:\n{where.summary()}" if where else ""
         error: BaseException = DistTimeoutError(
@@ -254,7 +255,7 @@ def _stop_pending(call: Call, rs: RankSet, grace: float):
 
 
 def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_restart: bool,
-                     ended: Optional[List[int]], rs: RankSet) -> str:
+                     ended: Optional[List[int]], rs: RankSet, stopped: List[int]) -> str:
     if not killed:
         return "stopped on SIGINT; the group is still usable."
     how = "it restarts on the next call (auto_restart)" if auto_restart else \
@@ -262,7 +263,7 @@ def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_rest
     if ended is not None:  # an attached group: the others were told to exit
         how = _attached_advice([r for r in ended if r not in killed], rs)
     stuck = [r for r in killed if r not in torn]
-    why = []
+    why = [f"{ranks_phrase(stopped)} stopped on SIGINT"] if stopped else []
     if torn:
         many = len(torn) > 1
         why.append(f"{ranks_phrase(torn)} {'were' if many else 'was'} killed: the interrupt came "

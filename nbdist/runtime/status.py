@@ -100,6 +100,13 @@ def generation_note(ranks: List) -> str:
     return f" (generation {gen}, {len(ranks)} ranks)" if gen > 1 else ""
 
 
+def backend_name(config: str) -> str:
+    """torch's backend config as one name when every device uses the same backend
+    (``"cpu:gloo,cuda:gloo"`` -> ``"gloo"``); a mixed one (``"cpu:gloo,cuda:nccl"``) as it is."""
+    names = {part.rpartition(":")[2].strip() for part in config.split(",")}
+    return names.pop() if len(names) == 1 else config
+
+
 def collect_status(state: str, world_size: int, backend: str, device: str,
                    ranks: List, job: str = "") -> GroupStatus:
     """A :class:`GroupStatus` from a group's ranks (reads them without locks: safe from any thread;
@@ -120,7 +127,7 @@ def collect_status(state: str, world_size: int, backend: str, device: str,
             except (psutil.Error, TypeError):
                 pass
         rows.append(RankStatus(r.rank, r.pid, info.get("host", "?"), info.get("device", "?"),
-                               info.get("backend", backend), rstate,
+                               backend_name(str(info.get("backend", backend))), rstate,
                                r.busy_with if rstate == "busy" else "", r.since, r.exit_status,
                                rss, r.last_error, str(r.process.node)))
     return GroupStatus(state + generation_note(ranks), world_size, backend, device, rows, job)

@@ -146,7 +146,7 @@ def test_interrupt_kills_ranks_stuck_in_a_collective(group):
     assert time.monotonic() - t0 < 10
     err = info.value
     assert err.killed == [0] and err.interrupted == [1]
-    assert "rank 0 did not react" in str(err) and "restart()" in str(err)
+    assert "rank 1 stopped on SIGINT; rank 0 did not react" in str(err) and "restart()" in str(err)
     assert group.state == "broken"
     group.restart()
     assert group.run(lambda: 4) == [4, 4]

@@ -208,6 +208,8 @@ def test_status_reports_ranks(shared_group):
     st = shared_group.status()
     assert st.state == "ready" and [r.state for r in st.ranks] == ["idle", "idle"]
     assert all(r.rss and r.rss > 0 for r in st.ranks)
+    # each rank's backend reads as the group's line says ("gloo", not torch's "cpu:gloo,cuda:gloo")
+    assert [r.backend for r in st.ranks] == [st.backend] * 2, str(st)
     assert "rank" in str(st) and "<table>" in st._repr_html_()
 
 

@@ -140,6 +140,26 @@ def test_plain_trainer_in_dist_cells(g, tmp_path):
     assert g.run(lambda: torch.distributed.get_world_size()) == [2, 2]
 
 
+def test_lightnings_info_lines_go_to_stdout_its_warnings_to_stderr(g, tmp_path):
+    """Lightning logs "GPU available: False" and "`Trainer.fit` stopped" at INFO through a handler
+    of its own on stderr, which a notebook shows as an error (issue 28). On the ranks, INFO goes
+    to stdout; warnings stay on stderr."""
+    lines = []
+    g.output = lambda rank, stream, text: lines.append((stream, text))
+    try:
+        g.exec(f"trainer = pl.Trainer(strategy='ddp', devices=2, {TRAINER}, "
+               f"enable_progress_bar=False, default_root_dir={str(tmp_path)!r})\n"
+               "trainer.fit(Toy(), make_data())\nimport logging\n"
+               "logging.getLogger(pl.__name__).warning('a warning stays on stderr')")
+    finally:
+        g.output = None
+    said = {name: "".join(text for stream, text in lines if stream == name)
+            for name in ("stdout", "stderr")}
+    assert "GPU available" in said["stdout"] and "fit` stopped" in said["stdout"], said
+    assert "GPU available" not in said["stderr"] and "fit` stopped" not in said["stderr"], said
+    assert "a warning stays on stderr" in said["stderr"], said
+
+
 def test_fit_ddp_learns_returns_weights_and_runs_twice(g, nb, tmp_path):
     kwargs = dict(max_epochs=3, logger=False, default_root_dir=str(tmp_path),
                   enable_progress_bar=False)

@@ -74,6 +74,17 @@ def _bench_panel():
     return figure_png(lambda axes: sweep_records().plot(ax=axes), (style.WIDTH, 4.0), ncols=2)
 
 
+def _memory_panel(part):
+    """The memory panel's bars or estimate curve (07), drawn as the panel draws them."""
+    from nbdist.ui.widgets._common import figure_png
+
+    three = ("ddp", "zero1", "fsdp")
+    if part == "bars":
+        return lambda: figure_png(lambda ax: memory_report(2, strategies=three).plot(ax=ax),
+                                  (style.WIDTH, 4.0))
+    return lambda: figure_png(lambda ax: nbdist.memory.estimate_curve(1_050_624, list(three)).plot(
+        ax=ax, mark=2, measured=memory_report(2, strategies=three)), (style.WIDTH, 3.8))
+
 
 FIGURES = {
     "collectives sweep (03)": lambda: sweep_records().plot(limit=12.0),
@@ -81,6 +92,8 @@ FIGURES = {
     "bus bandwidth alone, memcpy far above": lambda: sweep_records().plot("busbw", limit=200.0),
     "bus bandwidth alone, memcpy near": lambda: sweep_records().plot("busbw", limit=1.0),
     "collectives in the bench panel": _saved(_bench_panel),
+    "memory bars in the memory panel (07)": _saved(_memory_panel("bars")),
+    "estimate curve in the memory panel (07)": _saved(_memory_panel("estimate")),
     "comparison of world sizes (03)": lambda: sweep_records(world_sizes=(2, 3)).plot("busbw"),
     "trace timeline (03)": lambda: trace().plot(),
     "memory per rank, eight strategies (09)": lambda: memory_report().plot(),
