@@ -11,6 +11,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 import nbdist
 
 
@@ -139,6 +141,18 @@ def controller(tmp_path, world_size, code):
                          preexec_fn=_die_with_parent)
     wait_for(key_file)
     return p, port, key_file
+
+
+def wait_attached(ctl) -> None:
+    """Read the controller's stdout up to its "attached" line; nbdist's own notes (the threads per
+    rank...) may come first, on stdout too. Fails with what it said if it ends before."""
+    said = []
+    for line in ctl.stdout:
+        if line.strip() == "attached":
+            return
+        said.append(line)
+    pytest.fail(f"the controller ended before it attached; stdout: {''.join(said)!r}, stderr: "
+                f"{ctl.stderr.read()!r}")
 
 
 def wait_all(procs, timeout):

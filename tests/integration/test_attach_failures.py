@@ -20,7 +20,8 @@ import pytest
 import nbdist
 from nbdist.wire.relay import ABORT_EXIT_CODE
 
-from attach_helpers import Cluster, controller, free_port, kill_tree, torchrun, wait_all
+from attach_helpers import (Cluster, controller, free_port, kill_tree, torchrun, wait_all,
+                            wait_attached)
 from test_attach import netns  # noqa: F401 -- the fixture: a network namespace "node"
 
 pytestmark = pytest.mark.timeout(240)
@@ -108,7 +109,7 @@ def test_a_dead_kernel_ends_every_remote_worker_and_agent(tmp_path, code):
     rdzv = free_port()
     nodes = [torchrun(n, rdzv, port, key_file, nproc=1, nnodes=2) for n in range(2)]
     try:
-        assert ctl.stdout.readline().strip() == "attached", ctl.stderr.read()
+        wait_attached(ctl)
         time.sleep(1.0)  # the call is on the ranks now
         ctl.kill()  # as the OOM killer would: no stop(), no FIN sent by nbdist
         ctl.wait()
