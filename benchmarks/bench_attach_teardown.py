@@ -28,7 +28,8 @@ import time
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "integration"))
 
 import nbdist  # noqa: E402
-from attach_helpers import Cluster, controller, free_port, kill_tree, torchrun, wait_all  # noqa: E402
+from attach_helpers import (Cluster, controller, free_port, kill_tree, torchrun,  # noqa: E402
+                            wait_all, wait_attached)
 
 
 def stop_case(tmp):
@@ -68,7 +69,7 @@ def kernel_case(tmp):
     rdzv = free_port()
     nodes = [torchrun(n, rdzv, port, key_file, nproc=2, nnodes=2) for n in range(2)]
     try:
-        assert ctl.stdout.readline().strip() == "attached", ctl.stderr.read()
+        wait_attached(ctl)
         time.sleep(1.0)
         t0 = time.monotonic()
         ctl.kill()

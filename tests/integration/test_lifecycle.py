@@ -29,6 +29,15 @@ def _running(pid):
         return False
 
 
+def _said(proc, tag: str) -> str:
+    """What the script printed after ``tag`` on its first line that starts with it: nbdist's own
+    notes (the threads per rank) come on stdout too, before it."""
+    for line in proc.stdout:
+        if line.startswith(tag + " "):
+            return line[len(tag) + 1:].strip()
+    pytest.fail(f"the script ended without printing {tag}")
+
+
 def _wait_gone(pids, seconds):
     deadline = time.monotonic() + seconds
     alive = list(pids)
@@ -50,12 +59,12 @@ def test_workers_exit_when_the_caller_dies(how, start_method):
     script = textwrap.dedent(f"""
         import os, sys, time, nbdist
         g = nbdist.start(2, start_method={start_method!r})
-        g.exec("import time") ; print(*[r.pid for r in g.status().ranks], flush=True)
+        g.exec("import time") ; print("PIDS", *[r.pid for r in g.status().ranks], flush=True)
         {'time.sleep(600)' if how == 'sigkill' else 'os._exit(0)'}
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(x) for x in proc.stdout.readline().split()]
+        pids = [int(x) for x in _said(proc, "PIDS").split()]
         assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
         if how == "sigkill":
             proc.kill()
@@ -71,12 +80,12 @@ def test_busy_workers_exit_when_the_caller_is_killed(start_method):
     script = textwrap.dedent(f"""
         import threading, nbdist
         g = nbdist.start(2, start_method={start_method!r})
-        print(*[r.pid for r in g.status().ranks], flush=True)
+        print("PIDS", *[r.pid for r in g.status().ranks], flush=True)
         g.exec("import time; time.sleep(600)")
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(x) for x in proc.stdout.readline().split()]
+        pids = [int(x) for x in _said(proc, "PIDS").split()]
         time.sleep(0.5)
         proc.kill()
         proc.wait(30)
@@ -265,12 +274,12 @@ def test_leftovers_of_a_killed_caller_are_swept_by_the_next_start():
         import nbdist, time
         g = nbdist.start(2)
         t = g.exec("torch.ones(1_000_000)")  # pooled result segments stay with the workers
-        print(g.id, flush=True)
+        print("GROUP", g.id, flush=True)
         time.sleep(600)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
-        gid = proc.stdout.readline().strip()
+        gid = _said(proc, "GROUP")
         assert leftover_segments(gid)
         proc.kill()  # no cleanup runs in the caller
         proc.wait(30)
