@@ -1,7 +1,7 @@
 """A background job that hits a breakpoint (issue 27) pauses there, from the Python API: its state
 says where, waiting on it says so instead of hanging, its timeout and stall watch wait, and
 ``job.debug()`` answers the rank's live pdb -- ``c`` lets it finish, ``q`` ends it with an error,
-and interrupting it leaves the group usable. The notebook side: tests/notebooks/test_debug_job."""
+and interrupting it leaves the group usable. The notebook side: tests/notebooks/test_debug_kernel.py."""
 import threading
 import time
 
