@@ -98,7 +98,7 @@ def test_stacked_bars_with_the_estimate_marked(report):
     # each label: the strategy (broken after its first "_" when there are many), then the ranks
     assert [t.get_text().rsplit("\n", 1)[0].replace("_\n", "_")
             for t in ax.get_xticklabels()] == ALL
-    assert "KB" in ax.get_ylabel()
+    assert "(KiB)" in ax.get_ylabel()  # the unit of the memory tables
     from nbdist.ui.plots.memory import plot_memory
 
     ax2 = nbdist.memory.estimate_curve(PSI, ["ddp", "fsdp"], world_sizes=[1, 2, 4]).plot(

@@ -271,7 +271,7 @@ def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
         assert r.formula.startswith("PP: the stage's layers: (P + G + K)Ψ_stage = 16Ψ_stage")
     assert report[0].layers == "stage 0: layers 0-3 of 7 (gpipe, 4 microbatches)"
     text = report.table()
-    assert "pp: rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
+    assert "pp rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
 
 
 def test_pipeline_in_the_kernel_says_where_to_call_it():
