@@ -92,7 +92,7 @@ def test_backends(tmp_path):
     bench = out[5]
     assert bench.startswith("load average (1 min): ") and "memcpy, 64 MiB on one core:" in bench
     header = bench.splitlines()[1]  # one unit per column, in its header
-    assert "size (" in header and "time (" in header and "busbw (GB/s)" in header, bench
+    assert "size (" in header and "median (" in header and "busbw (GB/s)" in header, bench
     ratios = {line.split(":")[0]: float(line.split("takes ")[1].split("x")[0])
               for line in bench.splitlines() if "nbdist_shm takes" in line}
     assert set(ratios) == {"4 KiB", "4 MiB"} and all(r > 0 for r in ratios.values()), bench
@@ -359,7 +359,7 @@ def test_beyond_data_parallel(tmp_path):
     rows = {(r[0], r[2]): r for r in traffic if len(r) >= 10 and r[0] in ("dp", "tp")}
     assert set(rows) == {("dp", "all_gather"), ("dp", "reduce_scatter"), ("tp", "all_reduce")}
     for r in rows.values():
-        assert r[3] == r[4] and r[7] == "1", r  # calls and bytes as the analytic figure says
+        assert r[3] == r[4] and r[7] == "1.000", r  # calls and bytes as the analytic figure says
     assert "sent by NCCL/rank" in out[7]
     assert "1f1b, 4 microbatches, 4 ranks, 4 stages" in out[8] and "peak in flight (mb)" in out[8]
     assert "theory 43% = (p-1)/(m+p-1) = 3/7 (p=4, m=4)" in out[9] and "replayed" in out[9]
