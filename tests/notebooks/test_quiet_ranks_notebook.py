@@ -21,7 +21,7 @@ CELLS = {
     "quiet": "%%dist\n" + TRAIN,
     "all": "%%dist --all-output\n" + TRAIN,
     "bg": "get_ipython().run_cell_magic('dist', '--bg job', 'for i in range(25): print(\"tick\")')\n"
-          "job.wait(60)\n"
+          "get_ipython().run_line_magic('dist_wait', 'job --quiet')\n"  # sends its display
           "print('kept', [job.output[r].count('tick') for r in (0, 1)])",
     "kept": "from nbdist.ui.magics import current_group\n"
             "print('dedupe', current_group().dedupe_output)",
