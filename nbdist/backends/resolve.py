@@ -11,7 +11,9 @@ An explicit ``backend=`` argument always wins over the environment variable.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import os
 import platform
 import sys
@@ -208,8 +210,55 @@ def _unavailable_reason(name: str, device: str) -> Optional[str]:
     return f"unknown backend {name!r}"
 
 
+def torch_build() -> Dict[str, Optional[str]]:
+    """What torch was built for (``cuda``, ``hip``, ``xpu``: a version, or ``None``), read from
+    its ``version.py`` without importing torch (about a second in a kernel that may never need
+    it); empty when torch or the file cannot be found."""
+    global _BUILD
+    if _BUILD is None:
+        _BUILD = {}
+        spec = importlib.util.find_spec("torch")
+        for folder in (spec.submodule_search_locations or []) if spec else []:
+            try:
+                with open(os.path.join(folder, "version.py"), encoding="utf-8") as f:
+                    tree = ast.parse(f.read())
+            except (OSError, SyntaxError, ValueError):
+                continue
+            for node in tree.body:
+                target = getattr(node, "target", None) or (node.targets[0] if isinstance(
+                    node, ast.Assign) and len(node.targets) == 1 else None)
+                if isinstance(target, ast.Name) and target.id in ("cuda", "hip", "xpu") and \
+                        isinstance(node.value, ast.Constant):
+                    _BUILD[target.id] = node.value.value
+            break
+    return _BUILD
+
+
+_BUILD: Optional[Dict[str, Optional[str]]] = None
+
+
+def _surely_no_gpu() -> bool:
+    """True when torch certainly sees no GPU here, known without importing it: a CPU-only build
+    (no CUDA, ROCm or XPU in its version.py), or a CUDA build on Linux with no NVIDIA driver
+    loaded (no ``/dev/nvidiactl``: ``torch.cuda.is_available()`` is then False). Anything else
+    (torch already imported, a GPU build where a driver may be) asks torch itself."""
+    if "torch" in sys.modules:
+        return False
+    build = torch_build()
+    if not build or build.get("hip") or build.get("xpu"):
+        return False
+    if build.get("cuda") is None:
+        return True
+    return sys.platform.startswith("linux") and not os.path.exists("/dev/nvidiactl")
+
+
 def resolve_device(device: Optional[str] = "auto") -> str:
-    """``"auto"`` -> ``"cuda"`` when a CUDA device is visible, else ``"cpu"``; others are checked."""
+    """``"auto"`` -> ``"cuda"`` when a CUDA device is visible, else ``"cpu"``; others are checked.
+
+    Where torch certainly sees no GPU (a CPU-only build, or no NVIDIA driver), ``"auto"`` and
+    ``"cpu"`` are answered without importing torch in this process: the ranks import it."""
+    if device in (None, "auto", "cpu") and _surely_no_gpu():
+        return "cpu"
     import torch
 
     if device in (None, "auto"):

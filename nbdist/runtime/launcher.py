@@ -263,8 +263,6 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     key = transport.new_key()
     listener = transport.listen("127.0.0.1", 0)
     port = listener.getsockname()[1]
-    from .worker import main as worker_main  # imported here: `python -m nbdist.worker` stays clean
-
     ctx = mp_context(start_method)
     spawned = ctx.get_start_method() == "spawn"
     if spawned:
@@ -282,7 +280,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
             name = f"nbdist-{group_id}-rank{r}"
             proc = warm.pop(0).hand(cfg, name) if warm else None
             if proc is None:  # no spare (left): a fresh process imports torch itself
-                proc = ctx.Process(target=worker_main, args=(cfg,), name=name)
+                proc = ctx.Process(target=worker_entry, args=(cfg,), name=name)
                 with main_hidden():
                     proc.start()
             ranks[r] = Rank(r, LocalProcess(proc))
@@ -302,6 +300,15 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     if spawned:
         spares.top_up()  # for the next start or restart: they import while this group works
     return ready
+
+
+def worker_entry(cfg: Dict[str, Any]) -> None:
+    """A local worker's process target. The worker module (and torch with it) is imported in
+    the child, never here: the kernel needs torch only when a tensor arrives (the forkserver has
+    both preloaded, so a forked worker finds them imported)."""
+    from .worker import main
+
+    main(cfg)
 
 
 def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:
