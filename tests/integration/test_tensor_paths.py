@@ -41,3 +41,15 @@ def test_an_unknown_tensor_path_is_refused_before_any_rank_starts(monkeypatch):
                                          r"this platform, got 'files'; unset it for the default "
                                          r"\('shared'\)\."):
         nbdist.start(2, backend="gloo", device="cpu", timeout=30)
+
+
+def test_a_reused_result_segment_holds_the_new_bytes():
+    """The pull's copy into a pooled segment (memmove from the tensor's first byte): a view that
+    starts inside its storage, pulled into a segment freed by the previous pull, arrives exact."""
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=30) as g:
+        g.exec("base = torch.arange(1 << 19, dtype=torch.float64)")
+        for shift in (0, 3, 1000):
+            (y,) = g.exec(f"base[{shift}:]", ranks=[0])
+            assert y.shape == ((1 << 19) - shift,) and y.dtype == torch.float64
+            assert torch.equal(y, torch.arange(shift, 1 << 19, dtype=torch.float64))
+            del y  # its segment goes back to rank 0's pool for the next pull
