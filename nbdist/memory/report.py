@@ -136,11 +136,30 @@ def _span(values: List[int]) -> str:
     return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
 
 
+def _fold(rows: List[Dict[str, Any]], keys: Sequence[str]) -> List[Dict[str, Any]]:
+    """One row for a strategy's ranks whose every shown value (``keys``) is the same, its rank
+    cell ``"0-3"`` (consecutive ranks) or ``"0, 2"``: four equal rows say nothing a fourth time."""
+    out: List[Dict[str, Any]] = []
+    ranks: List[List[int]] = []
+    for row in rows:
+        if out and all(out[-1][k] == row[k] for k in keys):
+            ranks[-1].append(row["rank"])
+        else:
+            out.append(dict(row))
+            ranks.append([row["rank"]])
+    for row, mine in zip(out, ranks):
+        if len(mine) > 1:
+            whole = mine == list(range(mine[0], mine[0] + len(mine)))
+            row["rank"] = f"{mine[0]}-{mine[-1]}" if whole else ", ".join(map(str, mine))
+    return out
+
+
 class MemoryReport(list):
     """A list of :class:`MemoryRecord` (rank-major per strategy) with a table and a plot.
 
     A notebook shows it as an HTML table, a terminal as text (:meth:`table`): one binary unit per
-    column, named in its header (``params (KiB)``; the model-state columns share theirs). Under
+    column, named in its header (``params (KiB)``; the model-state columns share theirs); ranks of
+    one strategy with equal figures in every column share a row (rank ``0-3``). Under
     it, each note once. The process RSS is a note (it is the whole process, torch included);
     the peak column appears where it was measured. The exports (:meth:`to_dicts`,
     :meth:`to_csv`, :meth:`to_pandas`) keep bytes.
@@ -157,7 +176,8 @@ class MemoryReport(list):
             r.in_flight for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
-        return TableView(self.to_dicts(), columns, notes)
+        keys = ["strategy"] + [c.key for c in columns if c.key not in ("strategy", "rank")]
+        return TableView(_fold(self.to_dicts(), keys), columns, notes)
 
     def table(self) -> str:
         """A plain-text table, each column in the unit of its header, then the notes."""

@@ -351,8 +351,14 @@ def test_beyond_data_parallel(tmp_path):
     assert "UserWarning" not in out[5] and "redistributing" not in out[5]
     memory = out[6]  # the table with the sharded/replicated split and the formulas in the notes
     assert "sharded (KiB)" in memory and "replicated (KiB)" in memory
-    for name in ("ddp", "tp", "fsdp2+tp", "pp"):
-        assert name in [line.split()[0] for line in memory.splitlines() if line.split()]
+    mem_rows = [line.split()[:2] for line in memory.split("\n-", 1)[1].splitlines()[1:]
+                if len(line.split()) > 2 and re.fullmatch(r"\d+(-\d+)?", line.split()[1])]
+    for name in ("ddp", "tp", "fsdp2+tp", "pp"):  # every rank once; equal ranks share a row
+        ranks = [r for n, r in mem_rows if n == name]
+        listed = [int(x) for r in ranks for x in (range(int(r.split("-")[0]), int(
+            r.split("-")[1]) + 1) if "-" in r else [r])]
+        assert sorted(listed) == [0, 1, 2, 3], (name, mem_rows)
+    assert ["ddp", "0-3"] in mem_rows and ["tp", "0-3"] in mem_rows, mem_rows  # replicas
     assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory
     assert "PP: the stage's layers" in memory
     traffic = [line.split() for line in out[7].splitlines()]
@@ -367,7 +373,7 @@ def test_beyond_data_parallel(tmp_path):
     assert any("image/png" in o.get("data", {}) for o in code[9].outputs)  # the Gantt chart
     assert any("image/png" in o.get("data", {}) for o in code[1].outputs)  # the mesh figure
     assert "cores here" in out[10]
-    # the three schedules on 2 ranks, each chart after its line of bubbles
+    # the three schedules on 2 ranks: a line each, then their charts on one time axis
     printed = "".join(o["text"] for o in code[11].outputs if o.get("output_type") == "stream")
     lines = {line.split(":")[0]: line for line in printed.splitlines() if "bubble measured" in line}
     assert set(lines) == {"gpipe", "1f1b", "interleaved1f1b"}, printed
@@ -376,10 +382,15 @@ def test_beyond_data_parallel(tmp_path):
         assert "; 8 sends a step" in lines[name]
     assert "theory 11% = (p-1)/(v*m+p-1) = 1/9 (p=2, v=2, m=4)" in lines["interleaved1f1b"]
     assert "; 24 sends a step" in lines["interleaved1f1b"]  # v*p - 1 = 3 crossings each way
+    # each chart is the step its line prints (its title says so: tests/unit/test_pipeline_chart),
+    # all on the scale of the longest of them (issue 35: three scales made interleaved look fast)
+    steps = [int(re.search(r"; step (\d+) ms;", lines[n]).group(1)) for n in lines]
+    axis = re.search(r"on one time axis \(its longest step, (\d+) ms\)", printed)
+    assert axis and int(axis.group(1)) == max(steps), printed
     kinds = ["text" if o.get("output_type") == "stream" else
              "image" if "image/png" in o.get("data", {}) else "other" for o in code[11].outputs]
     collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
-    assert collapsed == ["text", "image"] * 3, kinds  # each Gantt chart under its bubble line
+    assert collapsed == ["text", "image"], kinds  # the lines, then one figure of three charts
     # the lesson that holds whatever the load: GPipe holds every microbatch's activations, 1F1B
     # p - rank (from the order of events alone). Which bubble is smallest is timing: on 2 cores
     # shared with other work even the replayed order of medians came out with interleaved's 1
@@ -395,7 +406,15 @@ def test_beyond_data_parallel(tmp_path):
     assert (replayed.group(4) is None) == (inter < min(others)) or inter == min(others), verdict
     inter, one = int(measured.group(1)), int(measured.group(2))
     assert (measured.group(3) is None) == (inter < one) or inter == one, verdict
-    assert "the wall-clock step took" in verdict and "with 24 sends" in verdict
+    # what interleaving lost beyond its replay: the verdict says what its own numbers say
+    extra = dict(re.findall(r"^(1F1B|interleaved): the wall-clock step took ([+-][\d.]+) ms "
+                            r"against its replay; its (?:8|24) sends alone take [\d.]+ ms$",
+                            verdict, re.M))
+    assert set(extra) == {"1F1B", "interleaved"}, verdict
+    more = re.search(r"beyond its replay, interleaved lost (more|no more) time than 1F1B here",
+                     verdict)
+    assert more and (more.group(1) == "more") == (float(extra["interleaved"]) >
+                                                  float(extra["1F1B"])), verdict
 
 
 def test_when_a_rank_hangs(tmp_path):

@@ -182,20 +182,33 @@ def test_memory_table_has_units_in_headers_and_one_unit_per_column():
                      "state (MiB)", "estimate (MiB)", "diff (%)", "other (KiB)", "in-flight (B)"]
     # a group: one unit and one number of decimals for all five
     assert rows[0][2:8] == ["3.81", "3.81", "7.63", "15.26", "15.26", "+0.0"]
-    assert rows[2][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
+    assert rows[1][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
     assert rows[0][8:] == ["1.46", "0"]
+    assert [r[:2] for r in rows] == [["ddp", "0-1"], ["fsdp", "0"], ["fsdp", "1"]]
     markup = report._repr_html_()
     assert "fsdp rank 0: fsdp &amp; friends" in markup
     header, lines = _text_table(report.table())
     assert header.startswith("strategy  rank  params (MiB)")
-    assert lines[4] == "fsdp rank 0: fsdp & friends" and lines[5].startswith("peak: not measured")
-    assert lines[6].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
+    assert lines[3] == "fsdp rank 0: fsdp & friends" and lines[4].startswith("peak: not measured")
+    assert lines[5].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
                                "which 286 MiB before the model was built")
     assert repr(report).startswith("<MemoryReport: 4 records>\n" + header)
     from IPython.core.formatters import DisplayFormatter
 
     data, _ = DisplayFormatter().format(report)
     assert data["text/plain"] == repr(report) and "params (MiB)" in data["text/html"]
+
+
+def test_ranks_with_equal_figures_share_one_row():
+    """Issue 35: notebook 10's table repeated each strategy's row once per rank (4 x 4 rows);
+    ranks that differ in any shown figure keep their own rows, the exports keep every rank."""
+    recs = [_record("tp", r, 4096) for r in range(4)]
+    recs += [_record("pp", r, 4096, other=1024 * (2 if r in (0, 3) else 4)) for r in range(4)]
+    recs += [_record("ddp", r, 4096) for r in (0, 2)]
+    report = MemoryReport(recs)
+    ranks = [(row[0], row[1]) for row in report._view().cells()]
+    assert ranks == [("tp", "0-3"), ("pp", "0"), ("pp", "1-2"), ("pp", "3"), ("ddp", "0, 2")]
+    assert len(report.to_dicts()) == 10 and report.to_dicts()[1]["rank"] == 1
 
 
 def test_one_quantity_reads_the_same_in_every_column_of_its_group():
