@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
@@ -13,7 +13,7 @@ from torch import nn
 from .. import strategies as _strategies
 from . import accounting
 from . import pipeline as _pipeline
-from ..report.table import Column, TableView
+from ..report.table import Column, TableView, unit_of
 from ..report.units import format_bytes
 from .formulas import _STAGES, Estimate, estimate, stage_estimate
 from .sharding import explain as _explain_split, mesh_estimate
@@ -136,6 +136,13 @@ def _span(values: List[int]) -> str:
     return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
 
 
+def state_unit(records: Sequence[MemoryRecord]) -> str:
+    """The binary unit of a memory table's sizes (and of its plot's axis): the largest in which
+    every non-zero model-state figure (params, grads, optimizer, their sum, the estimate) is at
+    least 1."""
+    return unit_of("bytes", [getattr(r, k) for r in records for k, _ in _STATE]) or "B"
+
+
 def _fold(rows: List[Dict[str, Any]], keys: Sequence[str]) -> List[Dict[str, Any]]:
     """One row for a strategy's ranks whose every shown value (``keys``) is the same, its rank
     cell ``"0-3"`` (consecutive ranks) or ``"0, 2"``: four equal rows say nothing a fourth time."""
@@ -176,8 +183,14 @@ class MemoryReport(list):
             r.in_flight for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
+        rows = self.to_dicts()
+        # every size in the unit of the model state: a 4-byte scalar in "other" must not put a
+        # 257 KiB bucket next to it in bytes
+        unit = state_unit(self)
+        columns = [replace(c, unit=unit) if c.kind == "bytes" and c.group != "state" else c
+                   for c in columns]
         keys = ["strategy"] + [c.key for c in columns if c.key not in ("strategy", "rank")]
-        return TableView(_fold(self.to_dicts(), keys), columns, notes)
+        return TableView(_fold(rows, keys), columns, notes)
 
     def table(self) -> str:
         """A plain-text table, each column in the unit of its header, then the notes."""

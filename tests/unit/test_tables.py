@@ -178,12 +178,13 @@ def _report():
 def test_memory_table_has_units_in_headers_and_one_unit_per_column():
     report = _report()
     heads, rows = _html_table(report._repr_html_())
+    # every size in the model state's unit (issue 35: "other (B)" read 263177 next to KiB)
     assert heads == ["strategy", "rank", "params (MiB)", "grads (MiB)", "optim (MiB)",
-                     "state (MiB)", "estimate (MiB)", "diff (%)", "other (KiB)", "in-flight (B)"]
+                     "state (MiB)", "estimate (MiB)", "diff (%)", "other (MiB)", "in-flight (MiB)"]
     # a group: one unit and one number of decimals for all five
     assert rows[0][2:8] == ["3.81", "3.81", "7.63", "15.26", "15.26", "+0.0"]
     assert rows[1][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
-    assert rows[0][8:] == ["1.46", "0"]
+    assert rows[0][8:] == ["0.001", "0"]  # 1500 B: as small as it is, not in another unit
     assert [r[:2] for r in rows] == [["ddp", "0-1"], ["fsdp", "0"], ["fsdp", "1"]]
     markup = report._repr_html_()
     assert "fsdp rank 0: fsdp &amp; friends" in markup
@@ -209,6 +210,30 @@ def test_ranks_with_equal_figures_share_one_row():
     ranks = [(row[0], row[1]) for row in report._view().cells()]
     assert ranks == [("tp", "0-3"), ("pp", "0"), ("pp", "1-2"), ("pp", "3"), ("ddp", "0, 2")]
     assert len(report.to_dicts()) == 10 and report.to_dicts()[1]["rank"] == 1
+
+
+def test_the_memory_plot_reads_in_the_tables_unit():
+    """Issue 35: tutorial 09's table was in KiB, its figure in MiB; and its names broke at "_"."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    names = ("zero1", "fairscale_oss", "deepspeed_zero1", "fsdp_grad_op", "fairscale_sharded")
+    report = MemoryReport([_record(n, r, 3 << 20, other=4 if r else 263177) for n in names
+                           for r in (0, 1)])
+    ax = report.plot()
+    unit = report._view().headers()[2].split("(")[1].rstrip(")")
+    assert ax.get_ylabel() == f"bytes per rank ({unit})" and unit == "MiB"
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(names)
+    assert ax.get_xlabel() == "one bar per rank (ranks 0-1)"
+    import matplotlib.pyplot as plt
+    plt.close(ax.figure)
+
+
+def test_a_column_in_a_fixed_unit():
+    view = TableView([{"b": 4}, {"b": 263177}], [Column("b", "other", "bytes", unit="KiB")])
+    assert view.headers() == ["other (KiB)"] and view.cells() == [["0.004"], ["257.009"]]
+    with pytest.raises(ValueError, match=r"column 'b' of kind 'bytes' cannot be shown in 'ms'; "
+                                         r"its units: TiB, GiB, MiB, KiB, B"):
+        Column("b", kind="bytes", unit="ms")
 
 
 def test_one_quantity_reads_the_same_in_every_column_of_its_group():
