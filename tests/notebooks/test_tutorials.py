@@ -158,6 +158,7 @@ def _sweep_rows(text):
 
 def test_collectives(tmp_path):
     nb, out = run_notebook("03_collectives.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
     text = "\n".join(out)
     # One statistic throughout: the table's bandwidth is its size / its median time.
     heads, rows, notes = _sweep_rows(out[1])
@@ -187,7 +188,19 @@ def test_collectives(tmp_path):
         assert _rate(busbw) == pytest.approx(_rate(algbw) * float(factor), rel=0.03)
     assert len(re.findall(r"faster with [23] ranks \([\d.]+x the 2-rank time\); higher busbw: "
                           r"[23] ranks", out[4])) == 5
-    assert "(3, 'all_reduce')" in text
+    assert not [o for o in code[4].outputs if o.get("output_type") == "execute_result"
+                and "image/png" not in o.get("data", {})]  # no stray Out[] list (issue 35)
+    # the two traces: one unit for the size column, share defined under the table, and the
+    # broadcast the text explains: DDP's bucket order, two small ones at the second step
+    for summary in (out[6], out[7]):
+        assert re.search(r"^op +calls +size \(KiB\) +time", summary, re.M), summary
+        assert "share: the op's time over the traced block's" in summary
+    ops = {line.split()[0]: line.split() for line in out[6].splitlines()
+           if line.split() and line.split()[0] in ("all_reduce", "broadcast")}
+    assert ops["all_reduce"][1] == "2" and ops["broadcast"][1] == "2", out[6]
+    assert float(ops["broadcast"][2]) < 1, out[6]  # KiB: a few bytes each
+    # every rate in GB/s, as the tables (issue 35: "688 MB/s" under a GB/s column)
+    assert "MB/s" not in text
     images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                  for o in c.outputs)
     assert images >= 4  # sweep, comparison, trace timeline, %%dist --trace timeline
@@ -235,10 +248,10 @@ def test_memory(tmp_path):
     assert "peak (B)" not in table and not any(h.startswith("rss") for h in table)
     state = dict(zip(table["strategy"], (float(v) for v in table["state (MiB)"])))
     params = dict(zip(table["strategy"], (float(v) for v in table["params (MiB)"])))
-    flight = dict(zip(table["strategy"], (float(v) for v in table["in-flight (KiB)"])))
+    flight = dict(zip(table["strategy"], (float(v) for v in table["in-flight (MiB)"])))
     # the lesson: each ZeRO stage holds less per rank; SHARD_GRAD_OP's full parameters in flight
     assert state["ddp"] > state["zero1"] > state["fsdp"] == state["fsdp2"] == state["fsdp_grad_op"]
-    assert flight["fsdp_grad_op"] > params["ddp"] * 1024 > flight["ddp"]
+    assert flight["fsdp_grad_op"] > params["ddp"] > flight["ddp"]  # every size in one unit
     under = notes(out[1])
     assert any(re.match(r"fsdp2: other: DeviceMesh(\.\w+)? \(8 B\)", n) for n in under), under
     assert any(n.startswith("peak: not measured on CPU") for n in under)
@@ -333,6 +346,21 @@ def test_zero_three_ways(tmp_path):
     assert calls["fairscale_oss"] < min(calls["zero1"], calls["deepspeed_zero1"])
     assert calls["fairscale_sharded"] < min(calls["fsdp_grad_op"], calls["deepspeed_zero2"])
     assert {mib[n] for n in names if n != "fsdp"} == {"2.01"} and mib["fsdp"] == "3.01"
+    # whether fewer calls went with a faster step is printed from the table, never assumed
+    # (issue 35: zero1 9 calls 12.56 ms, fairscale_oss 3 calls 11.26, fsdp_grad_op 8 calls 31.58)
+    step = dict(zip(steps["strategy"], (float(c) for c in steps["step (ms)"])))
+    stages = re.findall(r"ZeRO-(\d): fewest calls (\w+) \((\d+)\), fastest step (\w+) "
+                        r"\(([\d.]+) ms\)", out[6])
+    groups = {"1": names[:3], "2": names[3:6], "3": names[6:]}
+    assert [s[0] for s in stages] == ["1", "2", "3"], out[6]
+    for stage, fewest, count, fastest, ms in stages:
+        assert calls[fewest] == min(calls[n] for n in groups[stage]) == float(count), stages
+        assert step[fastest] == min(step[n] for n in groups[stage]) == float(ms), stages
+    same = sum(fewest == fastest for _, fewest, _, fastest, _ in stages)
+    assert f"the fewest calls went with the fastest step at {same} of 3 stages" in out[6]
+    # one unit for every size in the memory table, as the text says; the plot's axis in it
+    units = {re.search(r"\((\w+)\)$", h).group(1) for h in table if re.search(r"\(\w*B\)$", h)}
+    assert len(units) == 1, table.keys()
     kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in k for k in kinds)  # the memory plot
 
