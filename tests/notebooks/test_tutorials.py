@@ -291,7 +291,10 @@ def test_watch_live(tmp_path):
 
     nb, out = run_notebook("08_watch_live.ipynb", tmp_path)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert "<nbdist.Job job 'job'" in out[2]  # the cell returned at once, with the job
+    # the cell returned at once, showing the job; %dist_watch and %dist_wait sent that display
+    # again when it ended (issue 35: "running, 0.0 s" stayed in the saved page)
+    assert "<nbdist.Job job 'job': done, " in out[2] and "running" not in out[2], out[2]
+    assert not [o for o in code[2].outputs if o["output_type"] == "execute_result"]
     # what the ranks printed during the job stayed under the cell that started it, only there
     assert ("[ranks 0, 1] first step done" in out[2]
             or "[rank 0] first step done" in out[2] and "[rank 1] first step done" in out[2])
@@ -310,8 +313,9 @@ def test_watch_live(tmp_path):
     assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
     # the lesson: rank 1, the slow data loader, is the straggler; rank 0 waits for it
     summary = out[7]
-    for column in ("step", "comm", "data"):  # each in the unit its numbers suit
-        assert re.search(column + r" \((s|ms|µs)\)", summary), summary
+    units = {re.search(column + r" \((s|ms|µs)\)", summary).group(1)
+             for column in ("step", "comm", "compute", "data")}
+    assert len(units) == 1, summary  # every time in one unit (issue 35: comm in µs, step in ms)
     assert "slowest data: rank 1" in summary and "straggler: rank 1 (compute" in summary
     ratio = float(re.search(r"communication, rank 0 / rank 1: ([\d.]+)x", summary).group(1))
     assert ratio > 1.5, summary  # "well over rank 1's own"; the figure says so from 1.5x
