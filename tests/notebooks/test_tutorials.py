@@ -374,8 +374,11 @@ def test_beyond_data_parallel(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "8,996 parameters on 4 ranks" in out[0]
     assert "groups along dp: [0, 2] [1, 3]" in out[1] and "groups along tp: [0, 1] [2, 3]" in out[1]
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
-               for o in code[2].outputs)  # the mesh panel
+    panel = [o["data"] for o in code[2].outputs
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(panel) == 1  # the mesh panel; where the widget cannot run, what it showed:
+    assert panel[0]["text/plain"] == "nbdist mesh panel (4 ranks): valid: 4 ranks = dp 2 x tp 2"
+    assert "<img src='data:image/png;base64," in panel[0]["text/html"]
     assert "mesh sizes dp=3, tp=2 do not fit 4 ranks" in out[3] and "dp=2, tp=2" in out[3]
     assert "all five agree with one process within 1e-5: True" in out[5]
     for label in ("ddp", "tp", "tp + sp", "fsdp2+tp", "1f1b"):
