@@ -318,7 +318,7 @@ def _stages_note(records: Sequence[MemoryRecord]) -> str:
     where = r0.layers.rsplit(" (", 1)  # "stage 0: layers 0-3 of 7", "gpipe, 4 microbatches)"
     schedule = f"; {where[1][:-1]}" if len(where) == 2 else ""
     of = where[0].rsplit(" of ", 1)
-    whole = f" of {of[1]} layers" if len(of) == 2 else ""
+    whole = f" in {of[1]} layers" if len(of) == 2 else ""
     ranks = "; ".join(f"rank {r.rank}: {r.layers.rsplit(' (', 1)[0].rsplit(' of ', 1)[0]}, "
                       f"Ψ_stage={r.local_params:,}" for r in records)
     return (f"{head}; Ψ={r0.num_params:,}{whole}, N={r0.world_size}{schedule}) -- {ranks}")

@@ -274,7 +274,7 @@ def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
     # the formula once, every rank's stage on one line (issue 35: one formula per rank made
     # tutorial 10's caption 15 lines long)
     note = [line for line in text.splitlines() if line.startswith("pp: PP: the stage's layers")]
-    assert len(note) == 1 and "Ψ=" in note[0] and "of 7 layers, N=2; gpipe, 4 microbatches)" \
+    assert len(note) == 1 and "Ψ=" in note[0] and "in 7 layers, N=2; gpipe, 4 microbatches)" \
         in note[0], text
     assert note[0].endswith(f"rank 0: stage 0: layers 0-3, Ψ_stage={report[0].local_params:,}; "
                             f"rank 1: stage 1: layers 4-6, Ψ_stage={report[1].local_params:,}")

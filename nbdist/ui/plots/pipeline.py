@@ -48,9 +48,10 @@ def _legend(ax, ranks: int, later: bool):
 
 
 def _ms(seconds: float) -> str:
-    """A step's length in ms, to 3 significant digits (``912``, ``24.2``, ``0.731``)."""
+    """A step's length in ms: whole from 10 ms (``912``, ``24``), else 3 significant digits
+    (``7.31``, ``0.731``)."""
     ms = seconds * 1e3
-    return f"{ms:.0f}" if ms >= 100 else f"{ms:.3g}"
+    return f"{ms:.0f}" if ms >= 10 else f"{ms:.3g}"
 
 
 @style.styled
