@@ -133,8 +133,8 @@ _SHARE = ("per rank: calls, time; size: bytes per call; share: the op's time ove
 class Summary(Table):
     """Per-op totals of a :class:`Trace` (see :meth:`Trace.summary`); shown as a table with
     ``size`` (bytes per call, in the unit of the largest op's calls, so two summaries of one
-    step read alike), ``time`` and ``mean`` in one unit each and ``share (%)``, which the note
-    under the table defines."""
+    step read alike), ``time`` and ``mean`` in one unit (the longest's) and ``share (%)``,
+    which the note under the table defines."""
 
     def _column(self, key: str) -> Column:
         """The field ``key`` as shown; ``share`` (a fraction) in percent."""
@@ -143,6 +143,10 @@ class Summary(Table):
         if key == "bytes":
             sizes = [r["bytes"] for r in self if r.get("bytes")]
             return Column(key, "size", "bytes", unit=unit_of("bytes", [max(sizes)]) if sizes
+                          else None)
+        if key in ("time_s", "mean_s"):  # both in the unit of the longest: ms next to µs misreads
+            times = [r[k] for r in self for k in ("time_s", "mean_s") if r.get(k)]
+            return Column(key, key[:-2], "time", unit=unit_of("time", [max(times)]) if times
                           else None)
         return super()._column(key)
 

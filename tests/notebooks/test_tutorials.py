@@ -193,7 +193,8 @@ def test_collectives(tmp_path):
     # the two traces: one unit for the size column, share defined under the table, and the
     # broadcast the text explains: DDP's bucket order, two small ones at the second step
     for summary in (out[6], out[7]):
-        assert re.search(r"^op +calls +size \(KiB\) +time", summary, re.M), summary
+        assert re.search(r"^op +calls +size \(KiB\) +time \((\w+)\) +mean \(\1\)", summary,
+                         re.M), summary
         assert "share: the op's time over the traced block's" in summary
     ops = {line.split()[0]: line.split() for line in out[6].splitlines()
            if line.split() and line.split()[0] in ("all_reduce", "broadcast")}

@@ -152,9 +152,13 @@ def test_trace_summary_and_plain_tables():
                 {"rank": 0, "op": "barrier", "bytes": None, "dtype": None, "start": 1.5,
                  "duration": 5e-5, "issued": 1.5}], {0: (1.0, 2.0)})
     heads, rows = _html_table(tr.summary()._repr_html_())
-    assert heads == ["op", "calls", "size (KiB)", "time (µs)", "mean (µs)", "share (%)"]
-    assert rows[0] == ["all_reduce", "1", "4", "2000", "2000", "0.2"]
-    assert rows[1][2] == "-"
+    # time and mean in one unit, the longest's; sizes in the largest op's unit (issue 35: two
+    # traces of tutorial 03 read "size (B)" and "size (KiB)", one "time (ms)" next to "mean (µs)")
+    assert heads == ["op", "calls", "size (KiB)", "time (ms)", "mean (ms)", "share (%)"]
+    assert rows[0] == ["all_reduce", "1", "4", "2.000", "2.000", "0.2"]
+    assert rows[1] == ["barrier", "1", "-", "0.050", "0.050", "0.0"]
+    assert tr.summary()._notes()[0].startswith("per rank: calls, time; size: bytes per call; "
+                                               "share: the op's time over the traced block's")
     assert Table([{"a": 1, "b": "x"}]).format() == "a  b\n----\n1  x"
 
 
