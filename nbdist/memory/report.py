@@ -16,6 +16,7 @@ from . import pipeline as _pipeline
 from ..report.table import Column, TableView, unit_of
 from ..report.units import format_bytes
 from .formulas import _STAGES, Estimate, estimate, stage_estimate
+from .notes import _fold, _in_unit, _notes, _rss_note, _stages_note
 from .sharding import explain as _explain_split, mesh_estimate
 
 @dataclass
@@ -95,70 +96,11 @@ _NO_PEAK = ("peak: not measured on CPU (measure(..., profile=True) takes it from
             "profiler; on CUDA it is max_memory_allocated)")
 
 
-def _ranks(ranks: List[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _notes(records: Sequence[MemoryRecord]) -> List[str]:
-    """Each fact once: a note that several ranks or strategies share is written once, after the
-    strategies (and ranks, where not all of a strategy's) it holds for."""
-    all_ranks: Dict[str, List[int]] = {}
-    where: Dict[str, Dict[str, List[int]]] = {}
-    for r in records:
-        all_ranks.setdefault(r.strategy, []).append(r.rank)
-        for note in dict.fromkeys(r.notes):
-            where.setdefault(note, {}).setdefault(r.strategy, []).append(r.rank)
-    out = []
-    for note, strategies in where.items():
-        labels = [name if sorted(ranks) == sorted(all_ranks[name]) else
-                  f"{name} {_ranks(sorted(ranks))}" for name, ranks in strategies.items()]
-        out.append(f"{', '.join(labels)}: {note}")
-    return out
-
-
-def _rss_note(records: Sequence[MemoryRecord]) -> Optional[str]:
-    """rss is the whole process (torch alone is hundreds of MiB): a note, not a column."""
-    rss = [r.rss for r in records if r.rss is not None]
-    if not rss:
-        return None
-    base = [r.rss_base for r in records if r.rss_base is not None]
-    before = f", of which {_span(base)} before the model was built" if base else ""
-    return (f"rss (process memory, not in the table): {_span(rss)} per rank{before}: torch and "
-            "Python themselves, a coarse OOM guard; to_dicts() has it per rank")
-
-
-def _span(values: List[int]) -> str:
-    """``"263 to 287 MiB"``: whole numbers in the binary unit of the smallest (RSS is coarse)."""
-    unit, scale = next((u, float(b)) for u, b in (("GiB", 1 << 30), ("MiB", 1 << 20),
-                                                 ("KiB", 1 << 10), ("B", 1))
-                       if min(values) >= b)
-    low, high = (f"{v / scale:.0f}" for v in (min(values), max(values)))
-    return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
-
-
 def state_unit(records: Sequence[MemoryRecord]) -> str:
     """The binary unit of a memory table's sizes (and of its plot's axis): the largest in which
     every non-zero model-state figure (params, grads, optimizer, their sum, the estimate) is at
     least 1."""
     return unit_of("bytes", [getattr(r, k) for r in records for k, _ in _STATE]) or "B"
-
-
-def _fold(rows: List[Dict[str, Any]], keys: Sequence[str]) -> List[Dict[str, Any]]:
-    """One row for a strategy's ranks whose every shown value (``keys``) is the same, its rank
-    cell ``"0-3"`` (consecutive ranks) or ``"0, 2"``: four equal rows say nothing a fourth time."""
-    out: List[Dict[str, Any]] = []
-    ranks: List[List[int]] = []
-    for row in rows:
-        if out and all(out[-1][k] == row[k] for k in keys):
-            ranks[-1].append(row["rank"])
-        else:
-            out.append(dict(row))
-            ranks.append([row["rank"]])
-    for row, mine in zip(out, ranks):
-        if len(mine) > 1:
-            whole = mine == list(range(mine[0], mine[0] + len(mine)))
-            row["rank"] = f"{mine[0]}-{mine[-1]}" if whole else ", ".join(map(str, mine))
-    return out
 
 
 class MemoryReport(list):
@@ -177,16 +119,16 @@ class MemoryReport(list):
         peak = any(r.peak is not None for r in self)
         columns = [c for c in _COLUMNS if (meshed or c.key not in ("sharded", "replicated"))
                    and (peak or c.key != "peak")]
-        notes = _notes(self)
+        # every size in the unit of the model state: a 4-byte scalar in "other" must not put a
+        # 257 KiB bucket next to it in bytes; the notes' sizes too (the process RSS aside)
+        unit = state_unit(self)
+        notes = [_in_unit(n, unit) for n in _notes(self)]
         fsdp2 = any(r.strategy.startswith("fsdp2") or r.strategy == "hsdp" for r in self)
         notes += [_IN_FLIGHT + (_FSDP2_FLIGHT if fsdp2 else "")] if any(
             r.in_flight for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
         rows = self.to_dicts()
-        # every size in the unit of the model state: a 4-byte scalar in "other" must not put a
-        # 257 KiB bucket next to it in bytes
-        unit = state_unit(self)
         columns = [replace(c, unit=unit) if c.kind == "bytes" and c.group != "state" else c
                    for c in columns]
         keys = ["strategy"] + [c.key for c in columns if c.key not in ("strategy", "rank")]
@@ -307,21 +249,6 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
             for rec in stages:
                 rec.notes.insert(0, note)
     return report
-
-
-def _stages_note(records: Sequence[MemoryRecord]) -> str:
-    """One note for a pipeline's ranks: the stage formula (:func:`stage_estimate`'s, without
-    the rank's own Ψ_stage) once, then per rank its layers and Ψ_stage: ``rank 0: layers 0-3,
-    Ψ_stage=8,320``. Four ranks' full formulas made a table's caption 15 lines long."""
-    head = records[0].formula.split("; Ψ_stage=")[0]
-    r0 = records[0]
-    where = r0.layers.rsplit(" (", 1)  # "stage 0: layers 0-3 of 7", "gpipe, 4 microbatches)"
-    schedule = f"; {where[1][:-1]}" if len(where) == 2 else ""
-    of = where[0].rsplit(" of ", 1)
-    whole = f" in {of[1]} layers" if len(of) == 2 else ""
-    ranks = "; ".join(f"rank {r.rank}: {r.layers.rsplit(' (', 1)[0].rsplit(' of ', 1)[0]}, "
-                      f"Ψ_stage={r.local_params:,}" for r in records)
-    return (f"{head}; Ψ={r0.num_params:,}{whole}, N={r0.world_size}{schedule}) -- {ranks}")
 
 
 def model_fn_problem(model_fn: Any) -> Optional[str]:

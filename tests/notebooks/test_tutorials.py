@@ -366,6 +366,10 @@ def test_zero_three_ways(tmp_path):
     # one unit for every size in the memory table, as the text says; the plot's axis in it
     units = {re.search(r"\((\w+)\)$", h).group(1) for h in table if re.search(r"\(\w*B\)$", h)}
     assert len(units) == 1, table.keys()
+    (unit,) = units  # the notes' sizes in it too, but for the process RSS (issue 35: MiB notes)
+    others = {"B", "KiB", "MiB", "GiB"} - {unit, "B"}
+    assert not [n for n in under if not n.startswith("rss") and
+                re.search(r"\d (%s)\b" % "|".join(others), n)], under
     kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in k for k in kinds)  # the memory plot
 

@@ -232,6 +232,19 @@ def test_the_memory_plot_reads_in_the_tables_unit():
     plt.close(ax.figure)
 
 
+def test_the_notes_give_sizes_in_the_tables_unit():
+    """Issue 35: tutorial 09's table was in KiB, its notes said "1.027 MiB"; RSS (a process
+    figure, coarse) and sizes under one unit keep theirs."""
+    recs = [_record("fsdp_grad_op", r, 3 << 18, notes=[
+        "ZeRO-2's full parameters: 1.027 MiB in flight (ZeRO-2 counts 1.004 MiB); scalar (4 B), "
+        "bucket 257 KiB"]) for r in (0, 1)]
+    view = MemoryReport(recs)._view()
+    assert view.headers()[2] == "params (KiB)"
+    assert view.notes[0] == ("fsdp_grad_op: ZeRO-2's full parameters: 1052 KiB in flight "
+                             "(ZeRO-2 counts 1028 KiB); scalar (4 B), bucket 257 KiB")
+    assert view.notes[-1].startswith("rss (process memory, not in the table): 393 MiB")
+
+
 def test_a_column_in_a_fixed_unit():
     view = TableView([{"b": 4}, {"b": 263177}], [Column("b", "other", "bytes", unit="KiB")])
     assert view.headers() == ["other (KiB)"] and view.cells() == [["0.004"], ["257.009"]]
