@@ -217,7 +217,7 @@ class Records(Table):
         ``kind``: ``"both"`` (latency and bus bandwidth side by side), ``"latency"`` or
         ``"busbw"``. ``limit`` (GB/s), e.g. :func:`nbdist.bench.memcpy_bandwidth`, adds a
         right-hand axis in percent of it to the bandwidth plot, and a line at it when it is near
-        the curves (see :func:`nbdist.ui.plots.collectives.plot_busbw`). Noisy points are ringed.
+        the curves (see :func:`nbdist.ui.plots.collectives.plot_busbw`). Noisy points are hollow.
         ``ax``: existing Axes to draw into (two for ``"both"``).
         """
         from ..ui.plots import collectives as plots

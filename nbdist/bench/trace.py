@@ -24,7 +24,7 @@ import re
 import time
 from typing import Any, Dict, Iterable, Iterator, List, Optional, Tuple
 
-from ..report.table import Column
+from ..report.table import Column, unit_of
 from .records import Table
 
 # profiler dtype names (C++ type names) -> (torch name, bytes per element)
@@ -126,15 +126,32 @@ def _collect(prof, rank: int) -> List[Dict[str, Any]]:
     return pair(calls, kernels or execs, rank)
 
 
+_SHARE = ("per rank: calls, time; size: bytes per call; share: the op's time over the traced "
+          "block's (collectives that overlap compute count in full, so shares may add up past 100%)")
+
+
 class Summary(Table):
     """Per-op totals of a :class:`Trace` (see :meth:`Trace.summary`); shown as a table with
-    ``size`` (bytes per call), ``time`` and ``mean`` in one unit each and ``share (%)``."""
+    ``size`` (bytes per call, in the unit of the largest op's calls, so two summaries of one
+    step read alike), ``time`` and ``mean`` in one unit (the longest's) and ``share (%)``,
+    which the note under the table defines."""
 
     def _column(self, key: str) -> Column:
         """The field ``key`` as shown; ``share`` (a fraction) in percent."""
         if key == "share":
             return Column(key, "share", "fraction", decimals=1)
+        if key == "bytes":
+            sizes = [r["bytes"] for r in self if r.get("bytes")]
+            return Column(key, "size", "bytes", unit=unit_of("bytes", [max(sizes)]) if sizes
+                          else None)
+        if key in ("time_s", "mean_s"):  # both in the unit of the longest: ms next to µs misreads
+            times = [r[k] for r in self for k in ("time_s", "mean_s") if r.get(k)]
+            return Column(key, key[:-2], "time", unit=unit_of("time", [max(times)]) if times
+                          else None)
         return super()._column(key)
+
+    def _notes(self) -> List[str]:
+        return [_SHARE] if self else []
 
 
 class Trace:

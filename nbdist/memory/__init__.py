@@ -19,8 +19,9 @@
 * ``rss`` -- process RSS after ``malloc_trim`` (approximate; includes torch itself, a few hundred
   MiB): a note under the report's table, not a column, and in the exports per rank.
 
-In the report's table each size column has one binary unit (KiB, MiB), and each note is written
-once, after the strategies (and ranks) it holds for.
+In the report's table every size is in one binary unit (KiB, MiB), the model state's, notes
+included (:mod:`nbdist.memory.notes`); ranks with equal figures share a row (rank ``0-3``); each
+note is written once, after the strategies (and ranks) it holds for.
 
 Under ``"pp"`` (pipeline stages, :mod:`nbdist.memory.pipeline`) each rank holds its stage's
 layers; its figures are compared with "PP: the stage's layers" (``nbdist.memory.formulas.stage_estimate``).

@@ -72,8 +72,10 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
     params, grads, state = _acc._walk(local, pipe.optimizer)
     ignore = set(base) | set(params) | set(grads) | set(state) | {_acc._key(x), _acc._key(y)}
     other = sum(v for k, v in _acc._gc_storages().items() if k not in ignore)
-    held = "; ".join(f"stage {s}: layers {pipe.bounds[s][0]}-{pipe.bounds[s][1] - 1}"
-                     for s in pipe.stages)
+    held = "; ".join(f"stage {s}: " + (f"layer {first}" if last == first else
+                                        f"layers {first}-{last}")
+                     for s in pipe.stages for first, last in [(pipe.bounds[s][0],
+                                                                pipe.bounds[s][1] - 1)])
     local_params = sum(p.numel() for p in local.parameters())
     held += f" of {pipe.bounds[-1][1]} ({pipe.schedule}, {pipe.microbatches} microbatches)"
     del local, pipe, x, y, prof

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import csv
 import io
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import cloudpickle
@@ -13,9 +13,10 @@ from torch import nn
 from .. import strategies as _strategies
 from . import accounting
 from . import pipeline as _pipeline
-from ..report.table import Column, TableView
+from ..report.table import Column, TableView, unit_of
 from ..report.units import format_bytes
 from .formulas import _STAGES, Estimate, estimate, stage_estimate
+from .notes import _fold, _in_unit, _notes, _rss_note, _stages_note
 from .sharding import explain as _explain_split, mesh_estimate
 
 @dataclass
@@ -95,52 +96,19 @@ _NO_PEAK = ("peak: not measured on CPU (measure(..., profile=True) takes it from
             "profiler; on CUDA it is max_memory_allocated)")
 
 
-def _ranks(ranks: List[int]) -> str:
-    return f"rank {ranks[0]}" if len(ranks) == 1 else "ranks " + ", ".join(map(str, ranks))
-
-
-def _notes(records: Sequence[MemoryRecord]) -> List[str]:
-    """Each fact once: a note that several ranks or strategies share is written once, after the
-    strategies (and ranks, where not all of a strategy's) it holds for."""
-    all_ranks: Dict[str, List[int]] = {}
-    where: Dict[str, Dict[str, List[int]]] = {}
-    for r in records:
-        all_ranks.setdefault(r.strategy, []).append(r.rank)
-        for note in dict.fromkeys(r.notes):
-            where.setdefault(note, {}).setdefault(r.strategy, []).append(r.rank)
-    out = []
-    for note, strategies in where.items():
-        labels = [name if sorted(ranks) == sorted(all_ranks[name]) else
-                  f"{name} {_ranks(sorted(ranks))}" for name, ranks in strategies.items()]
-        out.append(f"{', '.join(labels)}: {note}")
-    return out
-
-
-def _rss_note(records: Sequence[MemoryRecord]) -> Optional[str]:
-    """rss is the whole process (torch alone is hundreds of MiB): a note, not a column."""
-    rss = [r.rss for r in records if r.rss is not None]
-    if not rss:
-        return None
-    base = [r.rss_base for r in records if r.rss_base is not None]
-    before = f", of which {_span(base)} before the model was built" if base else ""
-    return (f"rss (process memory, not in the table): {_span(rss)} per rank{before}: torch and "
-            "Python themselves, a coarse OOM guard; to_dicts() has it per rank")
-
-
-def _span(values: List[int]) -> str:
-    """``"263 to 287 MiB"``: whole numbers in the binary unit of the smallest (RSS is coarse)."""
-    unit, scale = next((u, float(b)) for u, b in (("GiB", 1 << 30), ("MiB", 1 << 20),
-                                                 ("KiB", 1 << 10), ("B", 1))
-                       if min(values) >= b)
-    low, high = (f"{v / scale:.0f}" for v in (min(values), max(values)))
-    return f"{low} {unit}" if low == high else f"{low} to {high} {unit}"
+def state_unit(records: Sequence[MemoryRecord]) -> str:
+    """The binary unit of a memory table's sizes (and of its plot's axis): the largest in which
+    every non-zero model-state figure (params, grads, optimizer, their sum, the estimate) is at
+    least 1."""
+    return unit_of("bytes", [getattr(r, k) for r in records for k, _ in _STATE]) or "B"
 
 
 class MemoryReport(list):
     """A list of :class:`MemoryRecord` (rank-major per strategy) with a table and a plot.
 
     A notebook shows it as an HTML table, a terminal as text (:meth:`table`): one binary unit per
-    column, named in its header (``params (KiB)``; the model-state columns share theirs). Under
+    column, named in its header (``params (KiB)``; the model-state columns share theirs); ranks of
+    one strategy with equal figures in every column share a row (rank ``0-3``). Under
     it, each note once. The process RSS is a note (it is the whole process, torch included);
     the peak column appears where it was measured. The exports (:meth:`to_dicts`,
     :meth:`to_csv`, :meth:`to_pandas`) keep bytes.
@@ -151,13 +119,20 @@ class MemoryReport(list):
         peak = any(r.peak is not None for r in self)
         columns = [c for c in _COLUMNS if (meshed or c.key not in ("sharded", "replicated"))
                    and (peak or c.key != "peak")]
-        notes = _notes(self)
+        # every size in the unit of the model state: a 4-byte scalar in "other" must not put a
+        # 257 KiB bucket next to it in bytes; the notes' sizes too (the process RSS aside)
+        unit = state_unit(self)
+        notes = [_in_unit(n, unit) for n in _notes(self)]
         fsdp2 = any(r.strategy.startswith("fsdp2") or r.strategy == "hsdp" for r in self)
         notes += [_IN_FLIGHT + (_FSDP2_FLIGHT if fsdp2 else "")] if any(
             r.in_flight for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
-        return TableView(self.to_dicts(), columns, notes)
+        rows = self.to_dicts()
+        columns = [replace(c, unit=unit) if c.kind == "bytes" and c.group != "state" else c
+                   for c in columns]
+        keys = ["strategy"] + [c.key for c in columns if c.key not in ("strategy", "rank")]
+        return TableView(_fold(rows, keys), columns, notes)
 
     def table(self) -> str:
         """A plain-text table, each column in the unit of its header, then the notes."""
@@ -253,6 +228,7 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
     report = MemoryReport()
     for name in strategies:
         on_rank = _pipeline.measure_on_rank if name == "pp" else accounting.measure_on_rank
+        first = len(report)
         for out in group.run(on_rank, model_fn, name, optimizer, steps, batch,
                              precision, profile, input_fn, dict((options or {}).get(name, {}))):
             rec = MemoryRecord(**out)
@@ -266,9 +242,12 @@ def measure(group, model_fn: Callable[[], nn.Module], strategies: Sequence[str] 
             rec.estimate, rec.formula = est.total, est.formula
             rec.notes = (_explain_split(rec, est, rec.split) if rec.split is not None
                          else _explain(rec, est)) + rec.notes
-            if rec.local_params is not None:  # pp: each rank's stage is its own formula
-                rec.notes.insert(0, est.formula)
             report.append(rec)
+        stages = [r for r in report[first:] if r.local_params is not None]
+        if stages:  # pp: the formula once, each rank's stage in one line, on every record
+            note = _stages_note(stages)
+            for rec in stages:
+                rec.notes.insert(0, note)
     return report
 
 

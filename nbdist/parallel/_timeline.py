@@ -229,12 +229,14 @@ class Timeline:
     def _repr_html_(self) -> str:
         return self.table()._repr_html_() if self.events else html_empty(self)
 
-    def plot(self, ax=None):
+    def plot(self, ax=None, span: Optional[float] = None):
         """A per-rank Gantt chart of the step (matplotlib): forward and backward of each
-        microbatch as bars, the gaps are where the rank waits; return the Axes."""
+        microbatch as bars, the gaps are where the rank waits; the title gives the step's
+        length; return the Axes. ``span`` (seconds): the length of the time axis, for several
+        steps on one scale (the longest ``bubble()["makespan_s"]``)."""
         from ..ui.plots.pipeline import plot_pipeline
 
-        return plot_pipeline(self, ax=ax)
+        return plot_pipeline(self, ax=ax, span=span)
 
 
 def html_empty(t: Timeline) -> str:

@@ -47,8 +47,10 @@ _DIGITS = 3  # significant digits of a column's smallest non-zero number, when d
 class Column:
     """A column: the row ``key`` it shows, its header ``name``, the ``kind`` of value (see
     :data:`KINDS`), an optional ``group`` of columns sharing one unit, ``decimals`` (default:
-    enough for 3 significant digits of the column's smallest number, none if all are whole) and
-    ``signed`` (write a ``+`` on positive numbers)."""
+    enough for 3 significant digits of the column's smallest number, none if all are whole),
+    ``signed`` (write a ``+`` on positive numbers) and ``unit`` (one of the kind's units: the
+    column is shown in it whatever its numbers, e.g. a table's every size in the unit of its
+    main columns)."""
 
     key: str
     name: str = ""
@@ -56,11 +58,16 @@ class Column:
     group: Optional[str] = None
     decimals: Optional[int] = None
     signed: bool = False
+    unit: Optional[str] = None
 
     def __post_init__(self):
         if self.kind not in KINDS:
             raise ValueError(f"unknown column kind {self.kind!r} for {self.key!r}; "
                              f"valid kinds: {', '.join(KINDS)}")
+        units = [u for u, _ in KINDS[self.kind] if u]
+        if self.unit is not None and self.unit not in units:
+            raise ValueError(f"column {self.key!r} of kind {self.kind!r} cannot be shown in "
+                             f"{self.unit!r}; its units: {', '.join(units) or 'none'}")
         if not self.name:
             object.__setattr__(self, "name", self.key)
 
@@ -75,6 +82,13 @@ class Column:
             if key.endswith(suffix) and len(key) > len(suffix):
                 return cls(key, key[:-len(suffix)], kind)
         return cls(key)
+
+
+def unit_of(kind: str, values: Iterable[Any]) -> Optional[str]:
+    """The unit a column of ``kind`` with these raw ``values`` gets (:class:`TableView`'s rule:
+    the largest in which each non-zero number is at least 1); ``None`` for unitless kinds."""
+    view = TableView([{"v": v} for v in values], [Column("v", kind=kind)])
+    return view._units([kind])[0][0]
 
 
 def _is_number(v: Any) -> bool:
@@ -121,7 +135,9 @@ class TableView:
         for col, kind in zip(self.columns, kinds):
             low = smallest.get(col.group or f"\0{col.key}")
             scales = KINDS[kind]
-            if low is None:  # nothing but zeros and blanks: the base unit (s, B)
+            if col.unit is not None:
+                out.append(next(u for u in scales if u[0] == col.unit))
+            elif low is None:  # nothing but zeros and blanks: the base unit (s, B)
                 out.append(next((u for u in scales if u[1] == 1.0), scales[-1]))
             else:
                 out.append(next((u for u in scales if low >= u[1] * (1 - 1e-9)), scales[-1]))

@@ -112,11 +112,10 @@ def format_time(seconds: Optional[float]) -> str:
 
 
 def format_rate(gbps: Optional[float]) -> str:
-    """``2.5`` -> ``"2.5 GB/s"``; ``0.012`` -> ``"12 MB/s"``."""
+    """``2.5`` -> ``"2.5 GB/s"``; ``0.012`` -> ``"0.012 GB/s"``: always GB/s, the unit of every
+    bandwidth column (nccl-tests'), so a rate in a sentence reads as the table next to it."""
     if gbps is None:
         return "-"
-    if abs(gbps) < 1:
-        return f"{gbps * 1e3:.3g} MB/s"
     return f"{gbps:.3g} GB/s"
 
 

@@ -5,9 +5,10 @@ from __future__ import annotations
 import csv
 import io
 import json
+from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
-from ..report.table import Column, TableView
+from ..report.table import Column, TableView, unit_of
 from ..report.units import format_time, percentile, seconds_per_unit
 from ..wire import locks
 
@@ -96,15 +97,24 @@ class Metrics:
         return xs, ys
 
     def split(self, window: int = 20) -> Dict[int, Tuple[float, float]]:
-        """``{rank: (compute_s, comm_s)}``: each rank's median over its last ``window`` steps of
-        what ``nbdist.step`` logged (empty when nothing was)."""
+        """``{rank: (compute_s, comm_s)}`` from what ``nbdist.step`` logged (empty when nothing
+        was): each rank's median ``step_s`` over its last ``window`` steps (what
+        :meth:`summary` shows as its step), split in the proportion of the medians of its
+        compute and communication. The two add up to the median step; the medians of the parts
+        alone would not (a median of sums is not the sum of medians)."""
         parts: Dict[Tuple[int, str], List[float]] = {}
         for rank, _, name, value, _ in self.rows():
-            if name in ("compute_s", "comm_s"):
+            if name in ("compute_s", "comm_s", "step_s"):
                 parts.setdefault((rank, name), []).append(value)
-        ranks = sorted({r for r, _ in parts})
-        return {r: tuple(percentile(parts.get((r, n), [0.0])[-window:], 50)
-                         for n in ("compute_s", "comm_s")) for r in ranks}
+        out = {}
+        for r in sorted({r for r, n in parts if n != "step_s"}):
+            compute, comm = (percentile(parts.get((r, n), [0.0])[-window:], 50)
+                             for n in ("compute_s", "comm_s"))
+            step = percentile(parts[(r, "step_s")][-window:], 50) if (r, "step_s") in parts \
+                else compute + comm
+            share = compute / (compute + comm) if compute + comm > 0 else 1.0
+            out[r] = (step * share, step * (1.0 - share))
+        return out
 
     def stragglers(self, window: int = 20, factor: float = 1.25) -> Dict[int, float]:
         """Ranks whose median ``compute_s`` over their last ``window`` steps is at least
@@ -141,7 +151,12 @@ class Metrics:
                           if isinstance(v, (int, float)) and not isinstance(v, bool)]
                 if values:
                     row[key] = percentile(values, 50) * (scale or 1)
-        return TableView(rows, columns, [f"median of each rank's last {window} values"])
+        # every time in one unit, the step's: "comm (µs)" next to "step (ms)" reads as a mismatch
+        times = [row[c.key] for row in rows for c in columns if c.kind == "time" and c.key in row]
+        unit = unit_of("time", [max(times)]) if times else None
+        columns = [replace(c, unit=unit) if c.kind == "time" else c for c in columns]
+        return TableView(rows, columns, [f"median of each rank's last {window} values; times "
+                                         f"in one unit"])
 
     def to_pandas(self):
         """A ``pandas.DataFrame`` with the columns of :data:`FIELDS`."""

@@ -18,6 +18,7 @@ import contextvars
 import html
 import threading
 import time
+import weakref
 
 MAX_LINES = 500  #: lines the display keeps (the latest); ``job.output`` keeps every rank's
 EVERY = 0.2  #: at most this often (seconds) the display is sent again while lines keep coming
@@ -74,12 +75,55 @@ class JobOutput:
                 "text/html": f"<pre class='nbdist-job-output'>{html.escape(head)}{marked}</pre>"}
 
 
+class JobStatus:
+    """The job itself, as a ``%%dist --bg`` cell shows it in a kernel: a display with an id (not
+    the cell's ``Out[]``, which would keep "running, 0.0 s" for good), sent again when the job
+    has ended -- by ``%dist_wait`` and by the job's live view -- both ways, as :class:`JobOutput`,
+    so a saved notebook shows how the job ended."""
+
+    def __init__(self, job):
+        from IPython.display import display
+
+        self.job = job
+        self._context = contextvars.copy_context()  # the cell that started the job
+        self._handle = display(job, display_id=True)
+        _STATUS[job] = self
+
+    def flush(self) -> None:
+        """Send the job's display as it is now (both ways)."""
+        self._context.run(self._handle.update, self.job)
+        contextvars.Context().run(self._handle.update, self.job)
+
+
+_STATUS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # job -> its JobStatus
+
+
 def finish(job) -> None:
-    """Send ``job``'s display once more, from the cell running now: ``%dist_wait`` calls it when
-    the job has ended, so a headless run keeps every line (one sent while no cell ran is lost)."""
+    """Send ``job``'s displays once more, from the cell running now: ``%dist_wait`` calls it
+    when the job has ended, so a headless run keeps every line (one sent while no cell ran is
+    lost) and the job's own display says how it ended."""
     show = getattr(job.call, "show", None)
     if isinstance(show, JobOutput):
         show.flush()
+    finish_status(job)
+
+
+def finish_status(job) -> None:
+    """Send the display of ``job`` that its ``%%dist --bg`` cell made again, if it made one (the
+    live view calls it when the job has ended)."""
+    status = _STATUS.get(job)
+    if status is not None:
+        status.flush()
+
+
+def show_job(job):
+    """What ``%%dist --bg`` shows: in a kernel (where the job's output has its display), the job
+    in a :class:`JobStatus` display, returning ``None``; elsewhere the job itself, as the cell's
+    value."""
+    if isinstance(getattr(job.call, "show", None), JobOutput):
+        JobStatus(job)
+        return None
+    return job
 
 
 def job_display(name: str) -> JobOutput:

@@ -93,6 +93,9 @@ class Watch:
             began = time.monotonic()
             self.refresh()
             if ended:
+                from .joboutput import finish_status
+
+                finish_status(self.job)  # the --bg cell's display of the job: how it ended
                 break
         self.button.disabled = True
 

@@ -95,10 +95,11 @@ def test_stacked_bars_with_the_estimate_marked(report):
     ax = report.plot()
     assert len(ax.patches) == 4 * len(report)  # params, grads, optimizer, other per bar
     assert len(ax.collections) == len(report)  # one estimate dash per bar
-    # each label: the strategy (broken after its first "_" when there are many), then the ranks
-    assert [t.get_text().rsplit("\n", 1)[0].replace("_\n", "_")
-            for t in ax.get_xticklabels()] == ALL
-    assert "(KiB)" in ax.get_ylabel()  # the unit of the memory tables
+    # each label: the strategy, whole; the ranks under the axis, once (all ran on the same)
+    assert [t.get_text() for t in ax.get_xticklabels()] == ALL
+    assert ax.get_xlabel() == "one bar per rank (ranks 0-1)"
+    unit = report._view().headers()[2].split("(")[1].rstrip(")")
+    assert ax.get_ylabel() == f"bytes per rank ({unit})"  # the unit of the memory table
     from nbdist.ui.plots.memory import plot_memory
 
     ax2 = nbdist.memory.estimate_curve(PSI, ["ddp", "fsdp"], world_sizes=[1, 2, 4]).plot(

@@ -271,7 +271,13 @@ def test_memory_measure_pp_reports_each_stage_against_its_formula(shared_group):
         assert r.formula.startswith("PP: the stage's layers: (P + G + K)Ψ_stage = 16Ψ_stage")
     assert report[0].layers == "stage 0: layers 0-3 of 7 (gpipe, 4 microbatches)"
     text = report.table()
-    assert "pp rank 1: PP: the stage's layers" in text and "stage 1: layers 4-6" in text
+    # the formula once, every rank's stage on one line (issue 35: one formula per rank made
+    # tutorial 10's caption 15 lines long)
+    note = [line for line in text.splitlines() if line.startswith("pp: PP: the stage's layers")]
+    assert len(note) == 1 and "Ψ=" in note[0] and "in 7 layers, N=2; gpipe, 4 microbatches)" \
+        in note[0], text
+    assert note[0].endswith(f"rank 0: stage 0: layers 0-3, Ψ_stage={report[0].local_params:,}; "
+                            f"rank 1: stage 1: layers 4-6, Ψ_stage={report[1].local_params:,}")
 
 
 def test_pipeline_in_the_kernel_says_where_to_call_it():

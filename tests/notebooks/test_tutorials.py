@@ -158,6 +158,7 @@ def _sweep_rows(text):
 
 def test_collectives(tmp_path):
     nb, out = run_notebook("03_collectives.ipynb", tmp_path)
+    code = [c for c in nb.cells if c.cell_type == "code"]
     text = "\n".join(out)
     # One statistic throughout: the table's bandwidth is its size / its median time.
     heads, rows, notes = _sweep_rows(out[1])
@@ -187,7 +188,20 @@ def test_collectives(tmp_path):
         assert _rate(busbw) == pytest.approx(_rate(algbw) * float(factor), rel=0.03)
     assert len(re.findall(r"faster with [23] ranks \([\d.]+x the 2-rank time\); higher busbw: "
                           r"[23] ranks", out[4])) == 5
-    assert "(3, 'all_reduce')" in text
+    assert not [o for o in code[4].outputs if o.get("output_type") == "execute_result"
+                and "image/png" not in o.get("data", {})]  # no stray Out[] list (issue 35)
+    # the two traces: one unit for the size column, share defined under the table, and the
+    # broadcast the text explains: DDP's bucket order, two small ones at the second step
+    for summary in (out[6], out[7]):
+        assert re.search(r"^op +calls +size \(KiB\) +time \((\w+)\) +mean \(\1\)", summary,
+                         re.M), summary
+        assert "share: the op's time over the traced block's" in summary
+    ops = {line.split()[0]: line.split() for line in out[6].splitlines()
+           if line.split() and line.split()[0] in ("all_reduce", "broadcast")}
+    assert ops["all_reduce"][1] == "2" and ops["broadcast"][1] == "2", out[6]
+    assert float(ops["broadcast"][2]) < 1, out[6]  # KiB: a few bytes each
+    # every rate in GB/s, as the tables (issue 35: "688 MB/s" under a GB/s column)
+    assert "MB/s" not in text
     images = sum("image/png" in o.get("data", {}) for c in nb.cells if c.cell_type == "code"
                  for o in c.outputs)
     assert images >= 4  # sweep, comparison, trace timeline, %%dist --trace timeline
@@ -235,10 +249,10 @@ def test_memory(tmp_path):
     assert "peak (B)" not in table and not any(h.startswith("rss") for h in table)
     state = dict(zip(table["strategy"], (float(v) for v in table["state (MiB)"])))
     params = dict(zip(table["strategy"], (float(v) for v in table["params (MiB)"])))
-    flight = dict(zip(table["strategy"], (float(v) for v in table["in-flight (KiB)"])))
+    flight = dict(zip(table["strategy"], (float(v) for v in table["in-flight (MiB)"])))
     # the lesson: each ZeRO stage holds less per rank; SHARD_GRAD_OP's full parameters in flight
     assert state["ddp"] > state["zero1"] > state["fsdp"] == state["fsdp2"] == state["fsdp_grad_op"]
-    assert flight["fsdp_grad_op"] > params["ddp"] * 1024 > flight["ddp"]
+    assert flight["fsdp_grad_op"] > params["ddp"] > flight["ddp"]  # every size in one unit
     under = notes(out[1])
     assert any(re.match(r"fsdp2: other: DeviceMesh(\.\w+)? \(8 B\)", n) for n in under), under
     assert any(n.startswith("peak: not measured on CPU") for n in under)
@@ -278,7 +292,10 @@ def test_watch_live(tmp_path):
 
     nb, out = run_notebook("08_watch_live.ipynb", tmp_path)
     code = [c for c in nb.cells if c.cell_type == "code"]
-    assert "<nbdist.Job job 'job'" in out[2]  # the cell returned at once, with the job
+    # the cell returned at once, showing the job; %dist_watch and %dist_wait sent that display
+    # again when it ended (issue 35: "running, 0.0 s" stayed in the saved page)
+    assert "<nbdist.Job job 'job': done, " in out[2] and "running" not in out[2], out[2]
+    assert not [o for o in code[2].outputs if o["output_type"] == "execute_result"]
     # what the ranks printed during the job stayed under the cell that started it, only there
     assert ("[ranks 0, 1] first step done" in out[2]
             or "[rank 0] first step done" in out[2] and "[rank 1] first step done" in out[2])
@@ -297,8 +314,9 @@ def test_watch_live(tmp_path):
     assert "Out[rank 0]:" in out[6] and "Out[rank 1]:" in out[6]
     # the lesson: rank 1, the slow data loader, is the straggler; rank 0 waits for it
     summary = out[7]
-    for column in ("step", "comm", "data"):  # each in the unit its numbers suit
-        assert re.search(column + r" \((s|ms|µs)\)", summary), summary
+    units = {re.search(column + r" \((s|ms|µs)\)", summary).group(1)
+             for column in ("step", "comm", "compute", "data")}
+    assert len(units) == 1, summary  # every time in one unit (issue 35: comm in µs, step in ms)
     assert "slowest data: rank 1" in summary and "straggler: rank 1 (compute" in summary
     ratio = float(re.search(r"communication, rank 0 / rank 1: ([\d.]+)x", summary).group(1))
     assert ratio > 1.5, summary  # "well over rank 1's own"; the figure says so from 1.5x
@@ -333,6 +351,25 @@ def test_zero_three_ways(tmp_path):
     assert calls["fairscale_oss"] < min(calls["zero1"], calls["deepspeed_zero1"])
     assert calls["fairscale_sharded"] < min(calls["fsdp_grad_op"], calls["deepspeed_zero2"])
     assert {mib[n] for n in names if n != "fsdp"} == {"2.01"} and mib["fsdp"] == "3.01"
+    # whether fewer calls went with a faster step is printed from the table, never assumed
+    # (issue 35: zero1 9 calls 12.56 ms, fairscale_oss 3 calls 11.26, fsdp_grad_op 8 calls 31.58)
+    step = dict(zip(steps["strategy"], (float(c) for c in steps["step (ms)"])))
+    stages = re.findall(r"ZeRO-(\d): fewest calls (\w+) \((\d+)\), fastest step (\w+) "
+                        r"\(([\d.]+) ms\)", out[6])
+    groups = {"1": names[:3], "2": names[3:6], "3": names[6:]}
+    assert [s[0] for s in stages] == ["1", "2", "3"], out[6]
+    for stage, fewest, count, fastest, ms in stages:
+        assert calls[fewest] == min(calls[n] for n in groups[stage]) == float(count), stages
+        assert step[fastest] == min(step[n] for n in groups[stage]) == float(ms), stages
+    same = sum(fewest == fastest for _, fewest, _, fastest, _ in stages)
+    assert f"the fewest calls went with the fastest step at {same} of 3 stages" in out[6]
+    # one unit for every size in the memory table, as the text says; the plot's axis in it
+    units = {re.search(r"\((\w+)\)$", h).group(1) for h in table if re.search(r"\(\w*B\)$", h)}
+    assert len(units) == 1, table.keys()
+    (unit,) = units  # the notes' sizes in it too, but for the process RSS (issue 35: MiB notes)
+    others = {"B", "KiB", "MiB", "GiB"} - {unit, "B"}
+    assert not [n for n in under if not n.startswith("rss") and
+                re.search(r"\d (%s)\b" % "|".join(others), n)], under
     kinds = [set(o.get("data", {})) for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert any("image/png" in k for k in kinds)  # the memory plot
 
@@ -342,8 +379,11 @@ def test_beyond_data_parallel(tmp_path):
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "8,996 parameters on 4 ranks" in out[0]
     assert "groups along dp: [0, 2] [1, 3]" in out[1] and "groups along tp: [0, 1] [2, 3]" in out[1]
-    assert any("application/vnd.jupyter.widget-view+json" in o.get("data", {})
-               for o in code[2].outputs)  # the mesh panel
+    panel = [o["data"] for o in code[2].outputs
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(panel) == 1  # the mesh panel; where the widget cannot run, what it showed:
+    assert panel[0]["text/plain"] == "nbdist mesh panel (4 ranks): valid: 4 ranks = dp 2 x tp 2"
+    assert "<img src='data:image/png;base64," in panel[0]["text/html"]
     assert "mesh sizes dp=3, tp=2 do not fit 4 ranks" in out[3] and "dp=2, tp=2" in out[3]
     assert "all five agree with one process within 1e-5: True" in out[5]
     for label in ("ddp", "tp", "tp + sp", "fsdp2+tp", "1f1b"):
@@ -351,8 +391,14 @@ def test_beyond_data_parallel(tmp_path):
     assert "UserWarning" not in out[5] and "redistributing" not in out[5]
     memory = out[6]  # the table with the sharded/replicated split and the formulas in the notes
     assert "sharded (KiB)" in memory and "replicated (KiB)" in memory
-    for name in ("ddp", "tp", "fsdp2+tp", "pp"):
-        assert name in [line.split()[0] for line in memory.splitlines() if line.split()]
+    mem_rows = [line.split()[:2] for line in memory.split("\n-", 1)[1].splitlines()[1:]
+                if len(line.split()) > 2 and re.fullmatch(r"\d+(-\d+)?", line.split()[1])]
+    for name in ("ddp", "tp", "fsdp2+tp", "pp"):  # every rank once; equal ranks share a row
+        ranks = [r for n, r in mem_rows if n == name]
+        listed = [int(x) for r in ranks for x in (range(int(r.split("-")[0]), int(
+            r.split("-")[1]) + 1) if "-" in r else [r])]
+        assert sorted(listed) == [0, 1, 2, 3], (name, mem_rows)
+    assert ["ddp", "0-3"] in mem_rows and ["tp", "0-3"] in mem_rows, mem_rows  # replicas
     assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory
     assert "PP: the stage's layers" in memory
     traffic = [line.split() for line in out[7].splitlines()]
@@ -367,7 +413,7 @@ def test_beyond_data_parallel(tmp_path):
     assert any("image/png" in o.get("data", {}) for o in code[9].outputs)  # the Gantt chart
     assert any("image/png" in o.get("data", {}) for o in code[1].outputs)  # the mesh figure
     assert "cores here" in out[10]
-    # the three schedules on 2 ranks, each chart after its line of bubbles
+    # the three schedules on 2 ranks: a line each, then their charts on one time axis
     printed = "".join(o["text"] for o in code[11].outputs if o.get("output_type") == "stream")
     lines = {line.split(":")[0]: line for line in printed.splitlines() if "bubble measured" in line}
     assert set(lines) == {"gpipe", "1f1b", "interleaved1f1b"}, printed
@@ -376,10 +422,15 @@ def test_beyond_data_parallel(tmp_path):
         assert "; 8 sends a step" in lines[name]
     assert "theory 11% = (p-1)/(v*m+p-1) = 1/9 (p=2, v=2, m=4)" in lines["interleaved1f1b"]
     assert "; 24 sends a step" in lines["interleaved1f1b"]  # v*p - 1 = 3 crossings each way
+    # each chart is the step its line prints (its title says so: tests/unit/test_pipeline_chart),
+    # all on the scale of the longest of them (issue 35: three scales made interleaved look fast)
+    steps = [int(re.search(r"; step (\d+) ms;", lines[n]).group(1)) for n in lines]
+    axis = re.search(r"on one time axis \(its longest step, (\d+) ms\)", printed)
+    assert axis and int(axis.group(1)) == max(steps), printed
     kinds = ["text" if o.get("output_type") == "stream" else
              "image" if "image/png" in o.get("data", {}) else "other" for o in code[11].outputs]
     collapsed = [k for i, k in enumerate(kinds) if i == 0 or k != kinds[i - 1]]
-    assert collapsed == ["text", "image"] * 3, kinds  # each Gantt chart under its bubble line
+    assert collapsed == ["text", "image"], kinds  # the lines, then one figure of three charts
     # the lesson that holds whatever the load: GPipe holds every microbatch's activations, 1F1B
     # p - rank (from the order of events alone). Which bubble is smallest is timing: on 2 cores
     # shared with other work even the replayed order of medians came out with interleaved's 1
@@ -395,7 +446,15 @@ def test_beyond_data_parallel(tmp_path):
     assert (replayed.group(4) is None) == (inter < min(others)) or inter == min(others), verdict
     inter, one = int(measured.group(1)), int(measured.group(2))
     assert (measured.group(3) is None) == (inter < one) or inter == one, verdict
-    assert "the wall-clock step took" in verdict and "with 24 sends" in verdict
+    # what interleaving lost beyond its replay: the verdict says what its own numbers say
+    extra = dict(re.findall(r"^(1F1B|interleaved): the wall-clock step took ([+-][\d.]+) ms "
+                            r"against its replay; its (?:8|24) sends alone take [\d.]+ ms$",
+                            verdict, re.M))
+    assert set(extra) == {"1F1B", "interleaved"}, verdict
+    more = re.search(r"beyond its replay, interleaved lost (more|no more) time than 1F1B here",
+                     verdict)
+    assert more and (more.group(1) == "more") == (float(extra["interleaved"]) >
+                                                  float(extra["1F1B"])), verdict
 
 
 def test_when_a_rank_hangs(tmp_path):

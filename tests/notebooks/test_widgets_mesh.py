@@ -80,3 +80,21 @@ def test_mesh_panel_takes_the_current_groups_world_size(shared_group, panels):
     assert mp.world_size == shared_group.world_size == 2
     assert mp.sizes == {"tp": -1} and mp.layout.sizes == {"tp": 2}
     assert "valid: 2 ranks = tp 2" in mp._validity.value
+
+
+@pytest.mark.timeout(60)
+def test_mesh_panel_shows_its_state_where_the_widget_cannot_run(panels):
+    """Issue 35: a page that cannot run the widget showed an empty Out[] (or a repr of the
+    children); the panel's bundle carries what it shows now, as text and static HTML."""
+    mp = panels(mesh_panel)
+    data = mp._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert data["text/plain"] == "nbdist mesh panel (4 ranks): valid: 4 ranks = dp 2 x tp 2"
+    page = data["text/html"]
+    assert "valid: 4 ranks = dp 2 x tp 2" in page and "rank 3</td>" in page
+    assert "<img src='data:image/png;base64," in page and "need a running kernel" in page
+    mp.tp = 4
+    data = mp._repr_mimebundle_()
+    assert data["text/plain"].startswith("nbdist mesh panel (4 ranks): not valid: mesh sizes "
+                                         "dp=2, tp=4 do not fit 4 ranks")
+    assert "<img" not in data["text/html"] and "nbdist-error" in data["text/html"]

@@ -177,7 +177,7 @@ def test_formats():
     assert bench.format_bytes(100) == "100 B" and bench.format_bytes(None) == "-"
     assert bench.format_time(1.2e-5) == "12 µs" and bench.format_time(0.0031) == "3.1 ms"
     assert bench.format_time(2.0) == "2 s" and bench.format_time(5e-8) == "50 ns"
-    assert bench.format_rate(2.5) == "2.5 GB/s" and bench.format_rate(0.012) == "12 MB/s"
+    assert bench.format_rate(2.5) == "2.5 GB/s" and bench.format_rate(0.012) == "0.012 GB/s"
 
 
 # ---- tables -------------------------------------------------------------------------------

@@ -64,11 +64,26 @@ def test_every_time_axis_names_one_unit_chosen_for_its_magnitude():
               for ax in fig.axes}
     split = next(v for k, v in labels.items() if k.startswith("step time"))
     assert split[0].startswith("time per step (ms)")
-    for name in ("step_s", "comm_s", "compute_s", "data_ms"):  # all ~1-25 ms: shown in ms
+    # a time's panel is named without its unit suffix; the axis gives the unit (issue 35:
+    # "step_s" over an axis in ms)
+    for name in ("step", "comm", "compute", "data"):  # all ~1-25 ms: shown in ms
         assert labels[name] == ("step", "time (ms)"), (name, labels[name])
     assert labels["loss"] == ("step", "loss") and labels["lr"] == ("step", "lr")
-    ax = next(a for a in fig.axes if a.get_title() == "step_s")
+    ax = next(a for a in fig.axes if a.get_title() == "step")
     assert 5 < max(ax.get_lines()[0].get_ydata()) < 50  # the values were converted to ms
+
+
+def test_the_split_is_not_in_the_ranks_colours():
+    """Issue 35: blue and orange meant compute and communication on top, rank 0 and rank 1
+    below."""
+    from matplotlib.colors import to_hex
+
+    fig = live_figure(_job_metrics())
+    split = next(ax for ax in fig.axes if ax.get_title(loc="left").startswith("step time"))
+    bars = {to_hex(p.get_facecolor()) for p in split.patches}
+    lines = {to_hex(line.get_color()) for ax in fig.axes if ax is not split
+             for line in ax.get_lines()}
+    assert len(bars) == 2 and not bars & lines, (bars, lines)
 
 
 def test_the_step_split_names_the_straggler_and_says_the_lesson():

@@ -38,11 +38,26 @@ def test_times_read_in_their_unit_and_the_summary_is_a_table_with_units():
               + [(r, i, "loss", 1.0 / (i + 1), 0.0) for r in (0, 1)])
     assert "rank 1 step 29: step_s=13.9 ms, data_ms=10.2 ms, loss=0.03333" in repr(m)
     table = m.summary(window=10)
+    # every time in the step's unit (issue 35: "comm (µs)" next to "step (ms)")
     assert [h.strip() for h in str(table).splitlines()[0].split("  ") if h.strip()] == [
-        "rank", "last step", "step (ms)", "data (µs)", "loss"]
-    assert str(table).splitlines()[2].split() == ["0", "29", "12.9", "70", "0.039"]  # plain numbers: 3 decimals at most
+        "rank", "last step", "step (ms)", "data (ms)", "loss"]
+    assert str(table).splitlines()[2].split() == ["0", "29", "12.9", "0.070", "0.039"]  # plain numbers: 3 decimals at most
     assert table.rows[1]["data_s"] == pytest.approx(0.0102)  # raw values, in seconds
-    assert table.notes == ["median of each rank's last 10 values"]
+    assert table.notes == ["median of each rank's last 10 values; times in one unit"]
+
+
+def test_the_split_adds_up_to_the_median_step_the_summary_shows():
+    """Issue 35: the live view's bars totalled about 15 ms against the table's 18 ms step: the
+    medians of compute and of communication do not add up to the median step."""
+    m = Metrics()
+    for i in range(20):  # compute and communication take turns being slow: their medians are low
+        compute, comm = (0.010, 0.002) if i % 2 else (0.004, 0.008)
+        m.add([(0, i, "compute_s", compute, 0.0), (0, i, "comm_s", comm, 0.0),
+               (0, i, "step_s", compute + comm, 0.0)])
+    compute, comm = m.split()[0]
+    step = m.summary().rows[0]["step_s"]
+    assert compute + comm == pytest.approx(step) == pytest.approx(0.012)
+    assert compute / comm == pytest.approx(0.007 / 0.005)  # the parts' medians' proportion
 
 
 def test_plot_metrics_panels_thinning_and_errors():
@@ -127,7 +142,9 @@ def test_the_step_split_per_rank_and_its_panel():
         slow = 10 if i < 20 else 1
         m.add([(r, i, "compute_s", 0.01 * slow * (3 if r == 1 else 1), 0.0) for r in (0, 1, 2)])
         m.add([(r, i, "comm_s", 0.005, 0.0) for r in (0, 1, 2)])
-    assert m.split() == {0: (0.01, 0.005), 1: (0.03, 0.005), 2: (0.01, 0.005)}
+    split = m.split()  # without step_s: the parts' medians
+    assert {r: pytest.approx(v) for r, v in split.items()} == {
+        0: (0.01, 0.005), 1: (0.03, 0.005), 2: (0.01, 0.005)}
     ax = plot_step_split(m, ax=Figure().subplots())
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1", "rank 2"]
     assert [t.get_text() for t in ax.texts] == ["rank 1: straggler (compute 3.00× the median)"]

@@ -85,3 +85,39 @@ def test_no_text_overlaps_other_text(width):
     tl.plot(ax=ax)
     assert layout_problems(fig) == []
     plt.close(fig)
+
+
+def test_the_title_gives_the_step_the_axis_shows_whole():
+    """The chart's step is the one printed next to it (bubble()['makespan_s']), and its last
+    bar ends inside the axes, not on their edge (issue 35)."""
+    tl = interleaved()
+    ax = tl.plot()
+    step_ms = tl.bubble()["makespan_s"] * 1e3
+    assert f"step {step_ms:.0f} ms" in ax.get_title(loc="left"), ax.get_title(loc="left")
+    last = max(p.get_x() + p.get_width() for p in _bars(ax))
+    assert last == pytest.approx(step_ms) and ax.get_xlim()[1] > last * 1.01
+    plt.close(ax.figure)
+
+
+def test_steps_drawn_with_one_span_share_a_scale():
+    """Several schedules drawn with span= the longest step: one ms is as wide on each."""
+    short, long_ = interleaved(short=0.02), interleaved(short=2.0)
+    span = max(short.bubble()["makespan_s"], long_.bubble()["makespan_s"])
+    fig, axes = plt.subplots(2, 1, figsize=(9, 5), layout="constrained")
+    for ax, tl in zip(axes, (short, long_)):
+        tl.plot(ax=ax, span=span)
+    assert axes[0].get_xlim() == axes[1].get_xlim()
+    assert layout_problems(fig) == []
+    with pytest.raises(ValueError, match=r"is shorter than the step it draws .* pass the "
+                                         r"longest makespan"):
+        long_.plot(span=short.bubble()["makespan_s"])
+    plt.close("all")
+
+
+def test_numbers_on_every_bar_a_digit_fits():
+    """A bar a few digits wide carries its number: the check uses the Axes' width after the
+    layout, not before it (issue 35: most blocks of the tutorial's charts had none)."""
+    tl = interleaved(short=0.25)  # bars of 0.25 of 19 s on ~800 px: ~10 px, a digit is ~6
+    ax = tl.plot()
+    assert len(_texts(ax)) == len(tl.events)
+    plt.close(ax.figure)

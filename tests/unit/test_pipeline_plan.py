@@ -156,7 +156,8 @@ def test_gantt_chart_draws_a_bar_per_forward_and_backward():
     tl = Timeline.merge(ideal_gpipe(2, 4))
     ax = tl.plot()
     assert len(ax.patches) == 16
-    assert ax.get_title(loc="left") == "gpipe, m=4, p=2: bubble 20% measured, 20% in theory"
+    assert ax.get_title(loc="left") == ("gpipe, m=4, p=2: step 10000 ms, bubble 20% measured, 20% "
+                                        "in theory")
     assert [t.get_text() for t in ax.get_yticklabels()] == ["rank 0", "rank 1"]
     plt.close(ax.figure)
     with pytest.raises(ValueError, match="plot_pipeline\\(\\) got a timeline without events"):

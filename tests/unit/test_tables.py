@@ -152,9 +152,13 @@ def test_trace_summary_and_plain_tables():
                 {"rank": 0, "op": "barrier", "bytes": None, "dtype": None, "start": 1.5,
                  "duration": 5e-5, "issued": 1.5}], {0: (1.0, 2.0)})
     heads, rows = _html_table(tr.summary()._repr_html_())
-    assert heads == ["op", "calls", "size (KiB)", "time (µs)", "mean (µs)", "share (%)"]
-    assert rows[0] == ["all_reduce", "1", "4", "2000", "2000", "0.2"]
-    assert rows[1][2] == "-"
+    # time and mean in one unit, the longest's; sizes in the largest op's unit (issue 35: two
+    # traces of tutorial 03 read "size (B)" and "size (KiB)", one "time (ms)" next to "mean (µs)")
+    assert heads == ["op", "calls", "size (KiB)", "time (ms)", "mean (ms)", "share (%)"]
+    assert rows[0] == ["all_reduce", "1", "4", "2.000", "2.000", "0.2"]
+    assert rows[1] == ["barrier", "1", "-", "0.050", "0.050", "0.0"]
+    assert tr.summary()._notes()[0].startswith("per rank: calls, time; size: bytes per call; "
+                                               "share: the op's time over the traced block's")
     assert Table([{"a": 1, "b": "x"}]).format() == "a  b\n----\n1  x"
 
 
@@ -178,24 +182,75 @@ def _report():
 def test_memory_table_has_units_in_headers_and_one_unit_per_column():
     report = _report()
     heads, rows = _html_table(report._repr_html_())
+    # every size in the model state's unit (issue 35: "other (B)" read 263177 next to KiB)
     assert heads == ["strategy", "rank", "params (MiB)", "grads (MiB)", "optim (MiB)",
-                     "state (MiB)", "estimate (MiB)", "diff (%)", "other (KiB)", "in-flight (B)"]
+                     "state (MiB)", "estimate (MiB)", "diff (%)", "other (MiB)", "in-flight (MiB)"]
     # a group: one unit and one number of decimals for all five
     assert rows[0][2:8] == ["3.81", "3.81", "7.63", "15.26", "15.26", "+0.0"]
-    assert rows[2][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
-    assert rows[0][8:] == ["1.46", "0"]
+    assert rows[1][2:8] == ["1.91", "1.91", "3.81", "7.63", "7.53", "+1.3"]
+    assert rows[0][8:] == ["0.001", "0"]  # 1500 B: as small as it is, not in another unit
+    assert [r[:2] for r in rows] == [["ddp", "0-1"], ["fsdp", "0"], ["fsdp", "1"]]
     markup = report._repr_html_()
     assert "fsdp rank 0: fsdp &amp; friends" in markup
     header, lines = _text_table(report.table())
     assert header.startswith("strategy  rank  params (MiB)")
-    assert lines[4] == "fsdp rank 0: fsdp & friends" and lines[5].startswith("peak: not measured")
-    assert lines[6].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
+    assert lines[3] == "fsdp rank 0: fsdp & friends" and lines[4].startswith("peak: not measured")
+    assert lines[5].startswith("rss (process memory, not in the table): 393 MiB per rank, of "
                                "which 286 MiB before the model was built")
     assert repr(report).startswith("<MemoryReport: 4 records>\n" + header)
     from IPython.core.formatters import DisplayFormatter
 
     data, _ = DisplayFormatter().format(report)
     assert data["text/plain"] == repr(report) and "params (MiB)" in data["text/html"]
+
+
+def test_ranks_with_equal_figures_share_one_row():
+    """Issue 35: notebook 10's table repeated each strategy's row once per rank (4 x 4 rows);
+    ranks that differ in any shown figure keep their own rows, the exports keep every rank."""
+    recs = [_record("tp", r, 4096) for r in range(4)]
+    recs += [_record("pp", r, 4096, other=1024 * (2 if r in (0, 3) else 4)) for r in range(4)]
+    recs += [_record("ddp", r, 4096) for r in (0, 2)]
+    report = MemoryReport(recs)
+    ranks = [(row[0], row[1]) for row in report._view().cells()]
+    assert ranks == [("tp", "0-3"), ("pp", "0"), ("pp", "1-2"), ("pp", "3"), ("ddp", "0, 2")]
+    assert len(report.to_dicts()) == 10 and report.to_dicts()[1]["rank"] == 1
+
+
+def test_the_memory_plot_reads_in_the_tables_unit():
+    """Issue 35: tutorial 09's table was in KiB, its figure in MiB; and its names broke at "_"."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    names = ("zero1", "fairscale_oss", "deepspeed_zero1", "fsdp_grad_op", "fairscale_sharded")
+    report = MemoryReport([_record(n, r, 3 << 20, other=4 if r else 263177) for n in names
+                           for r in (0, 1)])
+    ax = report.plot()
+    unit = report._view().headers()[2].split("(")[1].rstrip(")")
+    assert ax.get_ylabel() == f"bytes per rank ({unit})" and unit == "MiB"
+    assert [t.get_text() for t in ax.get_xticklabels()] == list(names)
+    assert ax.get_xlabel() == "one bar per rank (ranks 0-1)"
+    import matplotlib.pyplot as plt
+    plt.close(ax.figure)
+
+
+def test_the_notes_give_sizes_in_the_tables_unit():
+    """Issue 35: tutorial 09's table was in KiB, its notes said "1.027 MiB"; RSS (a process
+    figure, coarse) and sizes under one unit keep theirs."""
+    recs = [_record("fsdp_grad_op", r, 3 << 18, notes=[
+        "ZeRO-2's full parameters: 1.027 MiB in flight (ZeRO-2 counts 1.004 MiB); scalar (4 B), "
+        "bucket 257 KiB"]) for r in (0, 1)]
+    view = MemoryReport(recs)._view()
+    assert view.headers()[2] == "params (KiB)"
+    assert view.notes[0] == ("fsdp_grad_op: ZeRO-2's full parameters: 1052 KiB in flight "
+                             "(ZeRO-2 counts 1028 KiB); scalar (4 B), bucket 257 KiB")
+    assert view.notes[-1].startswith("rss (process memory, not in the table): 393 MiB")
+
+
+def test_a_column_in_a_fixed_unit():
+    view = TableView([{"b": 4}, {"b": 263177}], [Column("b", "other", "bytes", unit="KiB")])
+    assert view.headers() == ["other (KiB)"] and view.cells() == [["0.004"], ["257.009"]]
+    with pytest.raises(ValueError, match=r"column 'b' of kind 'bytes' cannot be shown in 'ms'; "
+                                         r"its units: TiB, GiB, MiB, KiB, B"):
+        Column("b", kind="bytes", unit="ms")
 
 
 def test_one_quantity_reads_the_same_in_every_column_of_its_group():

@@ -190,14 +190,17 @@ class DistMagics(NbdistMagics):
 
     def run_in_background(self, source: str, ranks: Optional[Sequence[int]] = None,
                           timeout: Optional[float] = None, name: Optional[str] = None):
-        """Start ``source`` on the ranks as a background job; return the job at once."""
+        """Start ``source`` on the ranks as a background job, at once: return it (in a kernel,
+        display it instead, and update that display when the job has ended)."""
         group = self.group
         check_ranks(ranks, group.world_size, "--ranks", self.dist)
         job = group.submit_exec(source, ranks=ranks, timeout=timeout,
                                 name=name or f"job{len(JOBS) + 1}")
         if name:
             self.shell.user_ns[name] = job
-        return job
+        from ..joboutput import show_job
+
+        return show_job(job)  # in a kernel a display kept current, not a stale Out[]
 
     def run_on_ranks(self, source: str, ranks: Optional[Sequence[int]] = None,
                      timeout: Optional[float] = None, quiet: bool = False) -> None:

@@ -38,22 +38,28 @@ def _lines(records: Iterable[Dict[str, Any]], value: str):
 
 
 def _draw(ax, points, i: int, label: str) -> List[float]:
-    """One line; its noisy points (p90 > 2 x p10) ringed. Returns its sizes."""
-    xs, ys, _ = zip(*points)
-    ax.plot(xs, ys, marker=_MARKERS[i % len(_MARKERS)], markersize=4, label=label)
-    rings = [(x, y) for x, y, bad in points if bad]
-    if rings:
-        seen = any(c.get_label() == _NOISY for c in ax.collections)
-        ax.scatter(*zip(*rings), s=70, facecolors="none", edgecolors="red", linewidths=1,
-                   zorder=3, label=None if seen else _NOISY)
+    """One line; its noisy points (p90 > 2 x p10) drawn hollow, in the line's colour: on a
+    busy machine most points can be noisy, and a mark on each must not bury the data. Returns
+    its sizes."""
+    xs, ys, bad = zip(*points)
+    marker = _MARKERS[i % len(_MARKERS)]
+    (line,) = ax.plot(xs, ys, marker=marker, markersize=4, label=label,
+                      markevery=[k for k, b in enumerate(bad) if not b])
+    hollow = [(x, y) for x, y, b in points if b]
+    if hollow:
+        ax.scatter(*zip(*hollow), s=20, marker=marker, facecolors="white",
+                   edgecolors=line.get_color(), linewidths=1, zorder=3)
+        if not any(c.get_label() == _NOISY for c in ax.collections):  # one legend entry
+            ax.scatter([], [], s=20, marker="o", facecolors="white", edgecolors="0.35",
+                       linewidths=1, label=_NOISY)
     return list(xs)
 
 
-_NOISY = "noisy (p90 > 2× p10)"
+_NOISY = "hollow: noisy (p90 > 2× p10)"
 
 
 def _legend(ax) -> None:
-    """The legend outside the data, with the noisy-point ring last (after every line it may
+    """The legend outside the data, with the noisy-point entry last (after every line it may
     mark)."""
     if ax.child_axes:  # the "% of memcpy" axis takes the right side: the legend goes under
         style.legend_below(ax.figure, [ax], last=(_NOISY,))
@@ -84,7 +90,7 @@ def plot_latency(records: Iterable[Dict[str, Any]], ax=None):
     """Time per op (median over iterations of the slowest rank) against message size, log-log.
 
     Barriers, which carry no data, are dashed horizontal lines. Noisy points (the record's
-    ``noisy``: p90 > 2x p10) are ringed in red, here and in :func:`plot_busbw`.
+    ``noisy``: p90 > 2x p10) are drawn hollow, here and in :func:`plot_busbw`.
     """
     records = list(records)
     ax = _new_axes(ax)

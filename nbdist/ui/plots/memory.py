@@ -6,9 +6,11 @@ from typing import Iterable, Optional
 
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-from ...report.units import binary_unit_for, unit_for
+from ...report.table import KINDS, unit_of
+from ...report.units import unit_for
 from . import style
 
+_STATE = ("params", "grads", "optimizer", "model_state", "estimate", "sharded", "replicated")
 COLORS = {"params": "#4C72B0", "grads": "#DD8452", "optimizer": "#55A868", "other": "#8172B3"}
 
 
@@ -18,20 +20,21 @@ def plot_memory(records: Iterable, ax=None):
 
     ``records``: a :class:`nbdist.memory.MemoryReport` or any iterable of
     :class:`nbdist.memory.MemoryRecord`. The ZeRO estimate of each record is a black dash across its
-    bar; bars are grouped by strategy, one per rank. The unit (KiB, MiB, GiB, as the memory
-    tables') follows the data. The
-    legend sits right of the bars (it covers none); with many strategies, names break after
-    their first ``_``.
+    bar; bars are grouped by strategy, one per rank. The unit is the memory table's (the
+    largest binary unit in which every non-zero model-state figure is at least 1), so the axis
+    reads as the table does. The legend sits right of the bars (it covers none); with many
+    strategies, every other name sits a line lower, none is broken.
     """
     records = list(records)
     if not records:
         raise ValueError("plot_memory() needs at least one MemoryRecord "
                          "(from nbdist.memory.measure)")
-    unit, unit_name = binary_unit_for(max(r.model_state + r.other for r in records))
+    unit_name = unit_of("bytes", [getattr(r, k) for r in records for k in _STATE]) or "B"
+    unit = dict(KINDS["bytes"])[unit_name]
     strategies = list(dict.fromkeys(r.strategy for r in records))
     if ax is None:
         _, ax = style.new_figure(4.2)
-    x, ticks, pos = 0.0, [], []
+    x, ticks, pos, spans = 0.0, [], [], set()
     marked = labelled = False
     for name in strategies:
         group = [r for r in records if r.strategy == name]
@@ -51,15 +54,25 @@ def plot_memory(records: Iterable, ax=None):
             centres.append(x)
             x += 1.0
         pos.append(sum(centres) / len(centres))
-        # many long names side by side would run into each other: break them after a "_"
-        label = name.replace("_", "_\n", 1) if len(strategies) > 4 else name
-        ticks.append(f"{label}\nranks {group[0].rank}-{group[-1].rank}" if len(group) > 1
-                     else label)
+        ticks.append(name)
+        spans.add(f"ranks {group[0].rank}-{group[-1].rank}" if len(group) > 1
+                  else f"rank {group[0].rank}")
         x += 0.6
+    if len(spans) > 1:  # the strategies ran on different ranks: each label says which
+        ticks = [f"{t} ({s})" for t, s in zip(ticks, [
+            f"ranks {g[0].rank}-{g[-1].rank}" if len(g) > 1 else f"rank {g[0].rank}"
+            for g in ([r for r in records if r.strategy == n] for n in strategies)])]
     top = max(max(r.model_state + r.other, r.estimate or 0) for r in records) / unit
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(pos)
+    # many long names side by side would run into each other: every other one a line lower,
+    # each whole (a name broken at its "_" reads as two words)
     ax.set_xticklabels(ticks)
+    if len(strategies) > 4:
+        for tick in ax.xaxis.get_major_ticks()[1::2]:
+            tick.set_pad(tick.get_pad() + 1.3 * ax.xaxis.get_ticklabels()[0].get_fontsize())
+    if len(spans) == 1:
+        ax.set_xlabel(f"one bar per rank ({spans.pop()})")
     ax.set_ylabel(f"bytes per rank ({unit_name})")
     ws = {r.world_size for r in records}
     ax.set_title(f"memory per rank (world size {', '.join(map(str, sorted(ws)))})")

@@ -16,6 +16,7 @@ from ...errors import ranks_phrase
 from ...report.units import format_time, percentile, seconds_per_unit
 from . import style
 
+_COMPUTE, _COMM = "0.35", "0.75"  #: the step split's two parts: dark and light grey
 MAX_POINTS = 2000  #: points drawn per rank and scalar; more are thinned evenly
 _UNITS = (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6))
 NOTE_WIDTH = 110  #: characters per line of the live figure's note; longer lines are cut
@@ -82,7 +83,10 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
                       label=f"{name}, rank {rank}" if shared else f"rank {rank}")
         axis.set_xlabel("step")
         axis.set_ylabel(f"time ({unit})" if unit else name)
-        axis.set_title(name + (" (thinned)" if thinned else ""))
+        # a time's panel is named without its unit suffix (step_s -> step): the axis gives the
+        # unit it is drawn in, as the summary's header does
+        title = name[:name.rindex("_")] if unit else name
+        axis.set_title(title + (" (thinned)" if thinned else ""))
         if legend:
             axis.legend(fontsize="small")
     return axes
@@ -90,8 +94,10 @@ def plot_metrics(metrics, names: Optional[Sequence[str]] = None, ax=None,
 
 @style.styled
 def plot_step_split(metrics, window: int = 20, ax=None):
-    """Each rank's step time split into compute and communication (median of its last ``window``
-    steps, from ``nbdist.step``), as stacked horizontal bars, in the unit that suits them;
+    """Each rank's step time split into compute and communication (its median step over its last
+    ``window`` steps, from ``nbdist.step``: the step ``summary()`` shows, split in the proportion
+    of the parts' medians), as stacked horizontal bars in greys (the ranks' colours belong to
+    the panels below), in the unit that suits them;
     stragglers are named inside the panel, and the x-axis label says what a fast rank's
     communication is then: waiting for the slow rank. Returns the Axes."""
     split = metrics.split(window)
@@ -104,8 +110,10 @@ def plot_step_split(metrics, window: int = 20, ax=None):
     unit, per = time_unit(max(c + m for c, m in split.values()))
     compute = [split[r][0] / per for r in ranks]
     comm = [split[r][1] / per for r in ranks]
-    ax.barh(ranks, compute, color="tab:blue", label="compute")
-    ax.barh(ranks, comm, left=compute, color="tab:orange", label="communication")
+    # greys: the panels under this one give each rank a colour (C0, C1...), so blue and orange
+    # here would read as ranks
+    ax.barh(ranks, compute, color=_COMPUTE, label="compute")
+    ax.barh(ranks, comm, left=compute, color=_COMM, label="communication")
     slow = metrics.stragglers(window)
     for r, x in slow.items():  # in the right part of the panel, which the bars leave free
         ax.annotate(f"rank {r}: straggler (compute {x:.2f}× the median)", xy=(1, r),
@@ -116,21 +124,25 @@ def plot_step_split(metrics, window: int = 20, ax=None):
     ax.set_ylim(max(ranks) + 0.6, min(ranks) - 0.6)  # rank 0 on top
     room = 1.7 if slow else 1.1  # the right part is for the straggler's note
     ax.set_xlim(0, room * max(c + m for c, m in zip(compute, comm)) or 1.0)
-    ax.set_xlabel(f"time per step ({unit})" + _lesson(split, slow))
+    # the lesson quotes the communication medians, as the summary table does (the bars are the
+    # median step, split in their proportion)
+    comm_medians = {row["rank"]: row.get("comm_s", 0.0) for row in metrics.summary(window).rows}
+    ax.set_xlabel(f"time per step ({unit})" + _lesson(comm_medians, slow))
     ax.set_title(f"step time per rank, median of the last {window} steps", loc="left")
     ax.legend(fontsize="small", loc="lower right", bbox_to_anchor=(1, 1), ncol=2,
               frameon=False, borderaxespad=0.1)
     return ax
 
 
-def _lesson(split, slow) -> str:
-    """What the bars teach when a rank is slow and the others' communication takes well over
-    the slow rank's own: it is mostly waiting for the slow rank."""
-    fast = [r for r in sorted(split) if r not in slow]
+def _lesson(comm, slow) -> str:
+    """What the bars teach when a rank is slow and the others' communication (``comm``: each
+    rank's median) takes well over the slow rank's own: it is mostly waiting for the slow
+    rank."""
+    fast = [r for r in sorted(comm) if r not in slow]
     if not slow or not fast:
         return ""
-    waited = percentile([split[r][1] for r in fast], 50)
-    own = percentile([split[r][1] for r in slow], 50)
+    waited = percentile([comm[r] for r in fast], 50)
+    own = percentile([comm[r] for r in slow], 50)
     if waited < 1.5 * own:  # the fast ranks' communication is not mostly waiting: say nothing
         return ""
     who = ("the fast " if len(fast) > 1 else "") + ranks_phrase(fast)

@@ -7,6 +7,7 @@ Nothing runs on a group: it is :class:`nbdist.parallel.MeshLayout` (the layout t
 """
 from __future__ import annotations
 
+import base64
 import html
 from typing import Dict, List, Optional
 
@@ -179,9 +180,8 @@ class MeshPanel(Panel):
         self.layout = layout
         shown = {d: s for d, s in layout.sizes.items() if s > 1} or {layout.names[-1]: 1}
         drawn = MeshLayout(self.world_size, **shown)
-        product = " x ".join(f"{d} {s}" for d, s in layout.sizes.items())
         self._validity.value = (f"<span style='color:#1b7f3b' data-valid='true'>valid: "
-                                f"{self.world_size} ranks = {html.escape(product)}</span>")
+                                f"{html.escape(self._product())}</span>")
         self._table.value = drawn._repr_html_()
         grids = len(drawn.grid())
         rows, cols = len(drawn.grid()[0][1]), len(drawn.grid()[0][1][0])
@@ -191,6 +191,31 @@ class MeshPanel(Panel):
         height = (1.2 + rows * 0.75) * scale + 0.25 * len(drawn.sizes)
         self.figure.value = figure_png(lambda ax: plot_mesh(drawn, ax=ax),
                                        (min(width, WIDTH), height))
+
+    # ---- a page without the widget ------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, with what it shows now as text and static HTML: a page that cannot run
+        the widget (a saved notebook on GitHub or nbviewer, an export without widget state)
+        shows the mesh as it was instead of an empty output or a repr of the children."""
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            state = f"valid: {self._product()}" if self.layout is not None else \
+                f"not valid: {self.error}"
+            data["text/plain"] = f"nbdist mesh panel ({self.world_size} ranks): {state}"
+            figure = base64.b64encode(self.figure.value).decode("ascii") \
+                if self.figure.value else ""
+            data["text/html"] = (
+                f"<div class='nbdist-mesh-static'>{self._validity.value}{self._feedback.value}"
+                f"{self._table.value}"
+                + (f"<img src='data:image/png;base64,{figure}' alt='the mesh'>" if figure
+                   else "")
+                + "<div style='font-size:smaller;color:#555'>(the panel's controls need a "
+                  "running kernel)</div></div>")
+        return data
+
+    def _product(self) -> str:
+        sizes = " x ".join(f"{d} {s}" for d, s in self.layout.sizes.items())
+        return f"{self.world_size} ranks = {sizes}"
 
     def _show_layouts(self) -> None:
         hsdp = self.dp_replicate is not None or self.dp_shard is not None
