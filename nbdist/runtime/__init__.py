@@ -111,8 +111,9 @@ Threading model
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
     (:mod:`.rankserver`; an unanswered interrupt is sent again from ``nbdist-interrupt``,
-    :mod:`.worker_signals`), and takes the stacks the notebook asks for, which a short-lived
-    ``nbdist-stacks`` thread sends over the control channel; a ``breakpoint()`` in user code
+    :mod:`.worker_signals`), and hands each stack request to a short-lived ``nbdist-stacks``
+    thread, which takes the stacks and sends them over the control channel (so no failure there
+    can end the watchdog); a ``breakpoint()`` in user code
     makes the main thread itself read pdb commands from the channel (:mod:`.rankpdb`), which the
     notebook's waiting thread answers from the kernel's stdin (:mod:`.stacks`; the channel's send
     lock keeps its messages whole beside the main thread's replies); where fds 1 and 2 are pipes, one *pump* per stream

@@ -98,7 +98,7 @@ class _Worker:
                     self.interrupts.request(max(seqs))
                 for kind, n in commands:
                     if kind != b"I" and self.channel is not None:
-                        stacks.send_later(self.channel, int(n), stacks.capture(kind == b"A"))
+                        stacks.send_later(self.channel, int(n), kind == b"A")
         except seal_module.IntegrityError as err:
             self.refuse(err)
         except (OSError, ValueError):  # the lifeline failed: exit

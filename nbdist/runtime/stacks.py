@@ -2,10 +2,10 @@
 the stacks a :class:`~nbdist.errors.DistTimeoutError` carries.
 
 On a rank, the watchdog thread -- not the main thread, which may be stuck in a collective, a
-``time.sleep`` or a data loader -- takes the stack when the notebook asks down the lifeline
+``time.sleep`` or a data loader -- reads the request the notebook sends down the lifeline
 (``S<n>;``: the main thread, ``A<n>;``: every thread; :meth:`nbdist.wire.relay.Lifeline.stacks`),
-and a short-lived thread sends it over the control channel as ``("stacks", n, body, [])``
-(:func:`capture`, :func:`send_later`). On the notebook's side, whichever thread reads that rank's
+and a short-lived thread takes the stacks and sends them over the control channel as
+``("stacks", n, body, [])`` (:func:`capture`, :func:`send_later`). On the notebook's side, whichever thread reads that rank's
 channel posts it to the rank set's :class:`StacksBox`: a waiting call, a background job's thread,
 or :func:`collect` itself when the group is idle.
 
@@ -38,7 +38,7 @@ _numbers = itertools.count(1)
 def capture(all_threads: bool) -> Dict[str, Any]:
     """The stack of this process's main thread (every thread's with ``all_threads``), as plain
     data: ``{"threads": [{"name", "main", "frames": [(file, line, function, text)]}], ...}``.
-    Called on the watchdog thread, which leaves itself out."""
+    Called on a thread of nbdist's (:func:`send_later`), which, like the watchdog, is left out."""
     main, me = threading.main_thread().ident, threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     threads = []
@@ -67,10 +67,13 @@ def _user_frames(frames: List[tuple]) -> List[tuple]:
     return frames[end:]
 
 
-def send_later(channel, n: int, body: Dict[str, Any]) -> None:
-    """Send stacks ``n`` from a thread of its own: the control channel may be busy with a large
-    reply, and the watchdog must stay free to read the next command."""
+def send_later(channel, n: int, all_threads: bool) -> None:
+    """Take stacks ``n`` (:func:`capture`) and send them from a thread of their own: the control
+    channel may be busy with a large reply, and the watchdog must stay free to read the next
+    command -- nothing a stack request does can end the watchdog (an error taking the stacks
+    ends this thread only, and Python prints it on the rank's stderr)."""
     def run():
+        body = capture(all_threads)
         try:
             channel.send(("stacks", n, body, []))
         except (OSError, ValueError):
