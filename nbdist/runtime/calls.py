@@ -56,6 +56,9 @@ class Call:
         self.outcome: Optional[str] = None
         self.metrics = Metrics()  #: what the ranks logged with nbdist.log during the call
         self.output: Dict[int, List[str]] = {}  #: per rank, every line printed (repeats too)
+        #: lines printed so far, all ranks (only :meth:`add_output` writes it): what another
+        #: thread counts instead of iterating :attr:`output`, which the relay thread grows
+        self.lines = 0
         #: a breakpoint on a rank prompts in the notebook (a blocking call in the main thread);
         #: else (a background job) pdb is told to continue (:mod:`.rankpdb`)
         self.interactive = threading.current_thread() is threading.main_thread()
@@ -72,8 +75,10 @@ class Call:
     def add_output(self, rank: int, text: str) -> None:
         """Keep what rank ``rank`` printed (the last :data:`OUTPUT_LINES` lines per rank)."""
         lines = self.output.setdefault(rank, [])
-        lines.extend(text.splitlines())
+        new = text.splitlines()
+        lines.extend(new)
         del lines[:-OUTPUT_LINES]
+        self.lines += len(new)
 
     def send(self, rs: RankSet) -> None:
         """Send the request to every target (a rank whose channel fails is caught by the wait).

@@ -172,8 +172,11 @@ class StallWatch:
         self._progressed = self._since  # when progress was last seen
 
     def _activity(self) -> Tuple[int, int]:
+        # (The job's thread.) Counts, never an iteration of ``call.output``: the relay thread
+        # adds a rank's first line to that dict meanwhile, and a RuntimeError from here ended
+        # the job's wait and tore the group down. The count also goes on past the lines kept.
         call = self.call
-        return len(call.metrics), sum(len(lines) for lines in call.output.values())
+        return len(call.metrics), call.lines
 
     def tick(self) -> None:
         """Look for progress; ask for stacks when there was none for ``stall`` s. A job paused at
