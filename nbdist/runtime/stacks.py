@@ -24,7 +24,7 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ranks_phrase
-from . import recorder
+from . import reader, recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: where nbdist's own serving loop lives on a rank: frames a user is not shown (here and in
@@ -131,29 +131,24 @@ def ask(rs, ranks: Iterable[int], all_threads: bool = False) -> Tuple[int, List[
 
 def collect(rs, n: int, asked: List[int], timeout: float, read: bool) -> Dict[int, Any]:
     """The answers to request ``n`` within ``timeout`` s. ``read``: this thread reads the ranks'
-    channels itself (the group is idle and its lock is held); otherwise the thread waiting on the
-    running call reads them and posts to the box."""
+    channels itself (the group is idle and its lock is held), through the one reader
+    (:mod:`.reader`: whatever else comes is handled as any reader would); otherwise the thread
+    waiting on the running call reads them and posts to the box. Either way the box says who
+    answered -- answers another thread read before this one took the channels included."""
     deadline = time.monotonic() + timeout
     if read:
-        got = set()
-        while set(asked) - got and time.monotonic() < deadline:
-            for what, r in rs.select(max(0.0, deadline - time.monotonic())):
-                if what != "ctl" or r not in asked:
-                    continue
-                try:
-                    status, s, body, paths = rs[r].channel.recv()
-                except Exception:  # noqa: BLE001 -- EOF or reset: the next call reports it
-                    got.add(r)
-                    continue
-                if status == "stacks":
-                    rs.stacks.post(s, r, body)
-                    if s == n:
-                        got.add(r)
-                else:
-                    rs.release(r, paths)  # a late reply nobody will read
+        idle = reader.Waiter()  # no call: late replies go back, a rank lost is left alone
+        while _unanswered(rs, n, asked, idle.dead) and time.monotonic() < deadline:
+            reader.read(rs, max(0.0, deadline - time.monotonic()), idle)
     else:
         rs.stacks.wait(n, asked, timeout)
     return rs.stacks.take(n, asked)
+
+
+def _unanswered(rs, n: int, asked: List[int], dead) -> List[int]:
+    """The ranks among ``asked`` that neither answered request ``n`` nor were lost."""
+    answered = set(rs.stacks.answered(n, asked))
+    return [r for r in asked if r not in answered and r not in dead]
 
 
 class StallWatch:
@@ -238,8 +233,7 @@ def at_timeout(call, rs, waiting: List[int], world_size: int) -> Optional["Stack
     n, asked = ask(rs, waiting)
     deadline = time.monotonic() + AT_TIMEOUT_S
     try:
-        while asked and time.monotonic() < deadline and \
-                len(rs.stacks.answered(n, asked)) < len(asked):
+        while _unanswered(rs, n, asked, call.dead) and time.monotonic() < deadline:
             call.poll(rs, max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         pass  # interrupted while waiting: report what came
