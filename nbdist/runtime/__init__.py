@@ -18,6 +18,9 @@ Parts, one owner each:
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,
   pending / replies / dead) ends in one outcome; :func:`~nbdist.runtime.calls.settle` is the one
   teardown policy that turns it into results or an error, and says whether the group is broken.
+  :mod:`.reader` -- the one reader of the ranks' control channels, and its one dispatch table:
+  whichever thread reads them (a call's, a job's, ``Group.stacks()``'s, the start-up's) hands
+  each message to the same handler of its kind (on a rank, ``_Worker.receive`` is the one).
   :mod:`.dispatch` -- the group's calls half: one call from check to verdict under the group's
   lock, a Ctrl-C wherever it lands, and how a background job (:mod:`.jobs`) ends.
 * :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows;
