@@ -129,8 +129,9 @@ Threading model
     thread holding the group's lock (or, while ranks start, by the thread starting them: the
     caller's, or the regenerate thread for a generation nobody has taken yet); a
     :class:`~nbdist.runtime.calls.Call`'s ``pending`` / ``replies`` / ``dead`` -- the thread
-    waiting on it; its ``output`` -- the relay thread (what each rank printed, appended by the
-    router); its ``metrics`` -- the waiting thread, under ``metrics`` (readers take copies); a
+    waiting on it; its ``output`` and ``lines`` -- the relay thread (what each rank printed,
+    appended by the router; the job's thread reads the count, never iterates the dict the relay
+    grows); its ``metrics`` -- the waiting thread, under ``metrics`` (readers take copies); a
     relay's buffers and streams -- whoever holds ``relay`` (only its reads close a stream).
 
 May import: :mod:`nbdist.backends`, :mod:`nbdist.wire`, :mod:`nbdist.errors`, :mod:`nbdist.report`,
