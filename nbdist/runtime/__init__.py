@@ -18,6 +18,9 @@ Parts, one owner each:
 * :mod:`.calls` -- a :class:`~nbdist.runtime.calls.Call` (sequence number, targets, deadline,
   pending / replies / dead) ends in one outcome; :func:`~nbdist.runtime.calls.settle` is the one
   teardown policy that turns it into results or an error, and says whether the group is broken.
+  :mod:`.reader` -- the one reader of the ranks' control channels, and its one dispatch table:
+  whichever thread reads them (a call's, a job's, ``Group.stacks()``'s, the start-up's) hands
+  each message to the same handler of its kind (on a rank, ``_Worker.receive`` is the one).
   :mod:`.dispatch` -- the group's calls half: one call from check to verdict under the group's
   lock, a Ctrl-C wherever it lands, and how a background job (:mod:`.jobs`) ends.
 * :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows;
@@ -111,8 +114,9 @@ Threading model
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
     (:mod:`.rankserver`; an unanswered interrupt is sent again from ``nbdist-interrupt``,
-    :mod:`.worker_signals`), and takes the stacks the notebook asks for, which a short-lived
-    ``nbdist-stacks`` thread sends over the control channel; a ``breakpoint()`` in user code
+    :mod:`.worker_signals`), and hands each stack request to a short-lived ``nbdist-stacks``
+    thread, which takes the stacks and sends them over the control channel (so no failure there
+    can end the watchdog); a ``breakpoint()`` in user code
     makes the main thread itself read pdb commands from the channel (:mod:`.rankpdb`), which the
     notebook's waiting thread answers from the kernel's stdin (:mod:`.stacks`; the channel's send
     lock keeps its messages whole beside the main thread's replies); where fds 1 and 2 are pipes, one *pump* per stream
@@ -125,8 +129,9 @@ Threading model
     thread holding the group's lock (or, while ranks start, by the thread starting them: the
     caller's, or the regenerate thread for a generation nobody has taken yet); a
     :class:`~nbdist.runtime.calls.Call`'s ``pending`` / ``replies`` / ``dead`` -- the thread
-    waiting on it; its ``output`` -- the relay thread (what each rank printed, appended by the
-    router); its ``metrics`` -- the waiting thread, under ``metrics`` (readers take copies); a
+    waiting on it; its ``output`` and ``lines`` -- the relay thread (what each rank printed,
+    appended by the router; the job's thread reads the count, never iterates the dict the relay
+    grows); its ``metrics`` -- the waiting thread, under ``metrics`` (readers take copies); a
     relay's buffers and streams -- whoever holds ``relay`` (only its reads close a stream).
 
 May import: :mod:`nbdist.backends`, :mod:`nbdist.wire`, :mod:`nbdist.errors`, :mod:`nbdist.report`,

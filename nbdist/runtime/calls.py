@@ -35,27 +35,32 @@ from ..wire.relay import ABORT_EXIT_CODE
 from . import rankpdb, stacks
 from .metrics import Metrics
 from .ranks import RankSet
+from .reader import Waiter, read
 from .ready import failure_from
 
 OK, DIED, TIMEOUT, INTERRUPTED = "ok", "died", "timeout", "interrupted"
 OUTPUT_LINES = 1000  #: lines of output a call keeps per rank (the oldest are dropped beyond)
 
 
-class Call:
-    """One request to ``targets``, from send to outcome."""
+class Call(Waiter):
+    """One request to ``targets``, from send to outcome; what the reader of the ranks' channels
+    waits for while it runs (:class:`~nbdist.runtime.reader.Waiter`)."""
 
     def __init__(self, seq: int, kind: str, payload: Any, targets: List[int],
                  timeout: Optional[float], what: str):
+        super().__init__()
         self.seq, self.targets, self.timeout, self.what = seq, list(targets), timeout, what
         self.msg = transport.encode((kind, seq, payload))
         self.deadline: Optional[float] = None
         self.started: Optional[float] = None
         self.pending: set = set()
         self.replies: Dict[int, tuple] = {}
-        self.dead: set = set()
         self.outcome: Optional[str] = None
         self.metrics = Metrics()  #: what the ranks logged with nbdist.log during the call
         self.output: Dict[int, List[str]] = {}  #: per rank, every line printed (repeats too)
+        #: lines printed so far, all ranks (only :meth:`add_output` writes it): what another
+        #: thread counts instead of iterating :attr:`output`, which the relay thread grows
+        self.lines = 0
         #: a breakpoint on a rank prompts in the notebook (a blocking call in the main thread);
         #: else (a background job) pdb is told to continue (:mod:`.rankpdb`)
         self.interactive = threading.current_thread() is threading.main_thread()
@@ -72,8 +77,10 @@ class Call:
     def add_output(self, rank: int, text: str) -> None:
         """Keep what rank ``rank`` printed (the last :data:`OUTPUT_LINES` lines per rank)."""
         lines = self.output.setdefault(rank, [])
-        lines.extend(text.splitlines())
+        new = text.splitlines()
+        lines.extend(new)
         del lines[:-OUTPUT_LINES]
+        self.lines += len(new)
 
     def send(self, rs: RankSet) -> None:
         """Send the request to every target (a rank whose channel fails is caught by the wait).
@@ -109,41 +116,36 @@ class Call:
                     rs[r].settled()
 
     def poll(self, rs: RankSet, timeout: Optional[float]) -> None:
-        """Read what has arrived within ``timeout`` seconds: replies, deaths, broken channels."""
-        for what, r in rs.select(timeout):
-            if r in self.dead:
-                continue
-            if what == "dead":
-                self.dead.add(r)
-                rs.forget(r)
-                continue
-            rank = rs[r]
-            try:
-                status, s, body, paths = rank.channel.recv()
-            except Exception:  # noqa: BLE001 -- EOF, reset, or a corrupt stream: the rank is lost
-                self.dead.add(r)
-                rs.forget(r)
-                continue
-            if status == "log":
-                if s == self.seq:
-                    self.metrics.add(body)
-                continue
-            if status == "sync":  # a protected rank's output frames sent before its reply
-                rs.relay.expect(r, body)
-                continue
-            if status == "stacks":  # asked by Group.stacks() or a timeout (nbdist.runtime.stacks)
-                rs.stacks.post(s, r, body)
-                continue
-            if status == "pdb":  # a breakpoint on the rank waits for a command
-                if s == self.seq:
-                    rankpdb.answer(self, rs, r, body, self.interactive)
-                continue
-            if s == self.seq and r in self.pending:
-                self.pending.discard(r)
-                self.replies[r] = (status, body, paths)
-                rank.replied()
-            else:
-                rs.release(r, paths)  # a late reply nobody will read
+        """Read what has arrived within ``timeout`` seconds: replies, deaths, broken channels,
+        and whatever else the ranks sent (:mod:`.reader`)."""
+        read(rs, timeout, self)
+
+    # ---- what the reader hands this call (the thread waiting on it) ----------------------------
+    def lose(self, rs: RankSet, r: int) -> None:
+        """Rank ``r`` died or its channel broke: dead to this call, and no longer watched."""
+        self.dead.add(r)
+        rs.forget(r)
+
+    def reply(self, rs: RankSet, r: int, seq: int, status: str, body: Any, paths) -> None:
+        """Rank ``r``'s reply to request ``seq``: this call's, or a late one nobody will read."""
+        if seq == self.seq and r in self.pending:
+            self.pending.discard(r)
+            self.replies[r] = (status, body, paths)
+            rs[r].replied()
+        else:
+            rs.release(r, paths)
+
+    def log(self, rs: RankSet, r: int, seq: int, rows: Any) -> None:
+        """Rows rank ``r`` logged with ``nbdist.log``: this call's metrics."""
+        if seq == self.seq:
+            self.metrics.add(rows)
+
+    def pdb(self, rs: RankSet, r: int, seq: int, body: Any) -> None:
+        """A breakpoint on rank ``r`` waits for a command (:func:`.rankpdb.answer`)."""
+        if seq == self.seq:
+            rankpdb.answer(self, rs, r, body, self.interactive)
+        else:
+            super().pdb(rs, r, seq, body)
 
     def cancel(self) -> None:
         """Ask the waiting thread to end the call as interrupted (any thread; see ``tick``)."""

@@ -56,16 +56,20 @@ class Dispatch:
         another thread, on attached ranks. A rank that does not answer within ``timeout`` s shows
         as "no answer". ``ranks``: which ranks to ask (default all)."""
         targets = requests.targets(ranks, self.world_size)
-        rs = self._rs
-        if rs is None or self._state not in ("ready", "busy"):
-            raise GroupClosedError(f"this group is {self._state}: it has no running ranks to "
-                                   "take stacks from; call restart() (or nbdist.start()) first.")
-        n, asked = stacks.ask(rs, targets, all_threads)
-        read = self._lock.acquire(blocking=False)  # held: nobody else reads the channels
+        # The lock first, then the ranks: held, nobody else reads the channels, and the ranks
+        # read are those the lock guards (not a set a restart replaced meanwhile). Not held, a
+        # call runs and its thread reads them; its ranks are read once, as status() reads them.
+        read = self._lock.acquire(blocking=False)
         try:
             if read and self.job is not None:  # the job's thread reads them: let it
                 self._lock.release()
                 read = False
+            rs, state = self._rs, self._state
+            if rs is None or state not in ("ready", "busy"):
+                raise GroupClosedError(f"this group is {state}: it has no running ranks to "
+                                       "take stacks from; call restart() (or nbdist.start()) "
+                                       "first.")
+            n, asked = stacks.ask(rs, targets, all_threads)
             got = stacks.collect(rs, n, asked, timeout, read)
         finally:
             if read:

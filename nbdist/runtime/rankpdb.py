@@ -6,7 +6,8 @@ On the rank (:func:`install`, at start-up), the three entry points make a :class
 stdin and stdout are the control channel: what pdb prints, up to its prompt, goes to the notebook
 as ``("pdb", seq, {"text": ..., "where": "file:line (function)"}, [])``; the rank's main thread --
 the one that hit the breakpoint, and the only reader of the channel -- then waits for
-``("pdb_cmd", seq, line)``, which an interrupt may stop waiting for but never cuts in half. The
+``("pdb_cmd", seq, line)`` through the rank's one reader (``_Worker.receive``), which an
+interrupt may stop waiting for but never cuts in half. The
 other ranks run on until their next collective, and wait there. On the notebook's side the thread
 waiting on the call (:meth:`Call.poll <nbdist.runtime.calls.Call.poll>`) prints the text, reads a
 line from the kernel's stdin, and answers (:func:`answer`); the call's timeout is suspended
@@ -20,16 +21,12 @@ thread (nothing can prompt there) tells the rank to continue, which says so in i
 """
 from __future__ import annotations
 
-import _signal
 import io
 import pdb
-import select
 import sys
 import threading
 import time
 from typing import Any, Dict, Optional
-
-from .worker_signals import SIGINT_MASK, SIGINT_SET
 
 PROMPT = "(Pdb) "
 BACKGROUND = "\x00background"  #: the notebook's answer where nothing can prompt: say so, continue
@@ -74,8 +71,8 @@ def _ask(body: Dict[str, str]) -> str:
     worker = _worker
     seq = worker.interrupts.running
     worker.channel.send(("pdb", seq, body, []))
-    while True:
-        kind, s, payload = _recv_whole(worker.channel)
+    while True:  # the rank's one reader: segments given back are released there
+        kind, s, payload = worker.receive(worker.channel, whole=True)
         if kind == "pdb_cmd" and payload == BACKGROUND:
             sys.stderr.write(f"nbdist: rank {worker.rank} hit a breakpoint in a call made from "
                              "a thread other than the notebook's; it continues (nothing can "
@@ -85,21 +82,6 @@ def _ask(body: Dict[str, str]) -> str:
             return "c"
         if kind == "pdb_cmd":
             return payload
-        if kind == "free" and worker.pool is not None:  # segments the caller gave back
-            worker.pool.release(payload)
-
-
-def _recv_whole(channel):
-    """The next message: an interrupt (the call being stopped) may end the wait for it, never
-    cut it in half -- SIGINT waits while a message is read, so the channel stays whole."""
-    select.select([channel], [], [])
-    if not SIGINT_MASK:  # Windows: no signal mask (and no SIGINT inside a socket read)
-        return channel.recv()
-    held = _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)
-    try:
-        return channel.recv()
-    finally:
-        _signal.pthread_sigmask(_signal.SIG_SETMASK, held)
 
 
 class RankPdb(pdb.Pdb):

@@ -33,7 +33,7 @@ from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
 from . import imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
-from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
+from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint, recv_whole
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
 _INIT_MSG = ("nbdist already initialised torch.distributed on this rank "
@@ -98,7 +98,7 @@ class _Worker:
                     self.interrupts.request(max(seqs))
                 for kind, n in commands:
                     if kind != b"I" and self.channel is not None:
-                        stacks.send_later(self.channel, int(n), stacks.capture(kind == b"A"))
+                        stacks.send_later(self.channel, int(n), kind == b"A")
         except seal_module.IntegrityError as err:
             self.refuse(err)
         except (OSError, ValueError):  # the lifeline failed: exit
@@ -224,17 +224,25 @@ class _Worker:
             self.postmortem = postmortem.PostMortem(self.failure)
         return self.postmortem.run(command)
 
+    def receive(self, channel: transport.Channel, whole: bool = False):
+        """The next message for this rank's main thread: the one reader of its control channel,
+        for the serving loop and for pdb waiting for a command (:mod:`.rankpdb`; ``whole``: an
+        interrupt may end the wait, never cut a message in half). Pooled result segments the
+        caller gave back (``"free"``) are released here, whoever reads."""
+        while True:
+            kind, seq, payload = recv_whole(channel) if whole else channel.recv()
+            if kind != "free":
+                return kind, seq, payload
+            if self.pool is not None:
+                self.pool.release(payload)
+
     def serve(self, channel: transport.Channel) -> None:
         handlers = {"run": self.do_run, "exec": self.do_exec, "push": self.do_push,
                     "pull": self.do_pull, "ping": lambda payload: None, "debug": self.do_debug}
         while True:
-            kind, seq, payload = channel.recv()
+            kind, seq, payload = self.receive(channel)
             if kind == "stop":
                 return
-            if kind == "free":  # the caller released pooled result segments
-                if self.pool is not None:
-                    self.pool.release(payload)
-                continue
             if kind == "pdb_cmd":  # the answer to a prompt pdb asked twice (an interrupt came
                 continue  # between its prompt and the read), after the call ended: dropped
             if kind != "debug":  # the next call: the last failure is forgotten

@@ -23,6 +23,7 @@ from ..wire.relay import OutputRelay
 from .advice import option
 from .processes import select_exits, watch_exits
 from .ranks import Rank
+from .reader import Waiter, receive
 
 
 class AdmissionStopped(NbdistError):
@@ -75,6 +76,7 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
     deadline = time.monotonic() + timeout
     failures: Dict[int, RemoteFailure] = {}
     dead: Dict[int, tuple] = {}
+    start = Start(ranks, failures, dead)
     try:
         while (len(ranks) < world_size or any(r.state != "idle" for r in ranks.values())) \
                 and not failures and not dead:
@@ -91,7 +93,7 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
                 if what == "listen":
                     _accept(listener, key, world_size, ranks, relay, sel, admission)
                 elif what == "ctl":
-                    _on_control(ranks[idx], sel, failures, dead)
+                    _on_control(ranks[idx], sel, start)
                 else:
                     ranks[idx].process.join(1.0)
                     dead[idx] = (ranks[idx].exit_status, "")
@@ -130,20 +132,40 @@ def _accept(listener, key, world_size, ranks, relay, sel, admission: Admission) 
     admission.joined(r)
 
 
-def _on_control(r: Rank, sel, failures, dead) -> None:
-    try:
-        kind, _, body = r.channel.recv()
-    except (ConnectionError, OSError):
-        r.process.join(1.0)
-        where = r.process.where
-        dead[r.rank] = (r.exit_status or ExitStatus(lost=True, where=where, why=r.channel.failure),
-                        "")
-        sel.unregister(r.channel.sock)
-        return
-    if kind == "ready":
-        r.ready(body)
-    else:
-        failures[r.rank] = failure_from(body)
+class Start(Waiter):
+    """What the one reader (:mod:`.reader`) hands the start-up of ranks: each rank's one message,
+    ``"ready"`` or ``"init_err"``, or its loss. There is no rank set yet (``rs`` is ``None``)."""
+
+    def __init__(self, ranks: Dict[int, Rank], failures: Dict[int, RemoteFailure],
+                 dead: Dict[int, tuple]):
+        super().__init__()
+        self.ranks, self.failures, self.lost = ranks, failures, dead
+
+    def lose(self, rs, r: int) -> None:
+        """Rank ``r``'s channel failed while it started: it is dead (or lost with its host)."""
+        super().lose(rs, r)
+        rank = self.ranks[r]
+        rank.process.join(1.0)
+        self.lost[r] = (rank.exit_status or ExitStatus(lost=True, where=rank.process.where,
+                                                       why=rank.channel.failure), "")
+
+    def reply(self, rs, r: int, seq: int, status: str, body: Any, paths) -> None:
+        """(No request was sent yet: nothing answers one.)"""
+
+    def pdb(self, rs, r: int, seq: int, body: Any) -> None:
+        """(No request runs yet: no breakpoint can be hit.)"""
+
+    def ready(self, rs, r: int, info: Any) -> None:
+        """Rank ``r`` initialised torch.distributed."""
+        self.ranks[r].ready(info)
+
+    def init_failed(self, rs, r: int, body: Any) -> None:
+        """Rank ``r`` could not initialise torch.distributed."""
+        self.failures[r] = failure_from(body)
+
+
+def _on_control(r: Rank, sel, start: Start) -> None:
+    receive(start, None, r.rank, r.channel)  # one message: ready, a failure, or none (lost)
     sel.unregister(r.channel.sock)
 
 

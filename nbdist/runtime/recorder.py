@@ -80,8 +80,10 @@ def _name(group) -> str:
 
 def snapshot() -> List[list]:
     """The records kept, oldest first: ``[seq, op, group, shape, dtype, issued, returned]``
-    (``returned`` is ``None`` while the collective runs)."""
-    return [list(e) for e in _records]
+    (``returned`` is ``None`` while the collective runs). Taken on the watchdog's side while the
+    main thread records collectives: the deque is copied first, in one C call no other thread
+    can cut (iterating it from Python while a collective is appended raises RuntimeError)."""
+    return [list(e) for e in _records.copy()]
 
 
 # ---- on the notebook's side ---------------------------------------------------------------------

@@ -2,10 +2,10 @@
 the stacks a :class:`~nbdist.errors.DistTimeoutError` carries.
 
 On a rank, the watchdog thread -- not the main thread, which may be stuck in a collective, a
-``time.sleep`` or a data loader -- takes the stack when the notebook asks down the lifeline
+``time.sleep`` or a data loader -- reads the request the notebook sends down the lifeline
 (``S<n>;``: the main thread, ``A<n>;``: every thread; :meth:`nbdist.wire.relay.Lifeline.stacks`),
-and a short-lived thread sends it over the control channel as ``("stacks", n, body, [])``
-(:func:`capture`, :func:`send_later`). On the notebook's side, whichever thread reads that rank's
+and a short-lived thread takes the stacks and sends them over the control channel as
+``("stacks", n, body, [])`` (:func:`capture`, :func:`send_later`). On the notebook's side, whichever thread reads that rank's
 channel posts it to the rank set's :class:`StacksBox`: a waiting call, a background job's thread,
 or :func:`collect` itself when the group is idle.
 
@@ -24,7 +24,7 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ranks_phrase
-from . import recorder
+from . import reader, recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: where nbdist's own serving loop lives on a rank: frames a user is not shown (here and in
@@ -38,7 +38,7 @@ _numbers = itertools.count(1)
 def capture(all_threads: bool) -> Dict[str, Any]:
     """The stack of this process's main thread (every thread's with ``all_threads``), as plain
     data: ``{"threads": [{"name", "main", "frames": [(file, line, function, text)]}], ...}``.
-    Called on the watchdog thread, which leaves itself out."""
+    Called on a thread of nbdist's (:func:`send_later`), which, like the watchdog, is left out."""
     main, me = threading.main_thread().ident, threading.get_ident()
     names = {t.ident: t.name for t in threading.enumerate()}
     threads = []
@@ -67,10 +67,13 @@ def _user_frames(frames: List[tuple]) -> List[tuple]:
     return frames[end:]
 
 
-def send_later(channel, n: int, body: Dict[str, Any]) -> None:
-    """Send stacks ``n`` from a thread of its own: the control channel may be busy with a large
-    reply, and the watchdog must stay free to read the next command."""
+def send_later(channel, n: int, all_threads: bool) -> None:
+    """Take stacks ``n`` (:func:`capture`) and send them from a thread of their own: the control
+    channel may be busy with a large reply, and the watchdog must stay free to read the next
+    command -- nothing a stack request does can end the watchdog (an error taking the stacks
+    ends this thread only, and Python prints it on the rank's stderr)."""
     def run():
+        body = capture(all_threads)
         try:
             channel.send(("stacks", n, body, []))
         except (OSError, ValueError):
@@ -128,29 +131,24 @@ def ask(rs, ranks: Iterable[int], all_threads: bool = False) -> Tuple[int, List[
 
 def collect(rs, n: int, asked: List[int], timeout: float, read: bool) -> Dict[int, Any]:
     """The answers to request ``n`` within ``timeout`` s. ``read``: this thread reads the ranks'
-    channels itself (the group is idle and its lock is held); otherwise the thread waiting on the
-    running call reads them and posts to the box."""
+    channels itself (the group is idle and its lock is held), through the one reader
+    (:mod:`.reader`: whatever else comes is handled as any reader would); otherwise the thread
+    waiting on the running call reads them and posts to the box. Either way the box says who
+    answered -- answers another thread read before this one took the channels included."""
     deadline = time.monotonic() + timeout
     if read:
-        got = set()
-        while set(asked) - got and time.monotonic() < deadline:
-            for what, r in rs.select(max(0.0, deadline - time.monotonic())):
-                if what != "ctl" or r not in asked:
-                    continue
-                try:
-                    status, s, body, paths = rs[r].channel.recv()
-                except Exception:  # noqa: BLE001 -- EOF or reset: the next call reports it
-                    got.add(r)
-                    continue
-                if status == "stacks":
-                    rs.stacks.post(s, r, body)
-                    if s == n:
-                        got.add(r)
-                else:
-                    rs.release(r, paths)  # a late reply nobody will read
+        idle = reader.Waiter()  # no call: late replies go back, a rank lost is left alone
+        while _unanswered(rs, n, asked, idle.dead) and time.monotonic() < deadline:
+            reader.read(rs, max(0.0, deadline - time.monotonic()), idle)
     else:
         rs.stacks.wait(n, asked, timeout)
     return rs.stacks.take(n, asked)
+
+
+def _unanswered(rs, n: int, asked: List[int], dead) -> List[int]:
+    """The ranks among ``asked`` that neither answered request ``n`` nor were lost."""
+    answered = set(rs.stacks.answered(n, asked))
+    return [r for r in asked if r not in answered and r not in dead]
 
 
 class StallWatch:
@@ -169,8 +167,11 @@ class StallWatch:
         self._progressed = self._since  # when progress was last seen
 
     def _activity(self) -> Tuple[int, int]:
+        # (The job's thread.) Counts, never an iteration of ``call.output``: the relay thread
+        # adds a rank's first line to that dict meanwhile, and a RuntimeError from here ended
+        # the job's wait and tore the group down. The count also goes on past the lines kept.
         call = self.call
-        return len(call.metrics), sum(len(lines) for lines in call.output.values())
+        return len(call.metrics), call.lines
 
     def tick(self) -> None:
         """Look for progress; ask for stacks when there was none for ``stall`` s. A job paused at
@@ -232,8 +233,7 @@ def at_timeout(call, rs, waiting: List[int], world_size: int) -> Optional["Stack
     n, asked = ask(rs, waiting)
     deadline = time.monotonic() + AT_TIMEOUT_S
     try:
-        while asked and time.monotonic() < deadline and \
-                len(rs.stacks.answered(n, asked)) < len(asked):
+        while _unanswered(rs, n, asked, call.dead) and time.monotonic() < deadline:
             call.poll(rs, max(0.0, deadline - time.monotonic()))
     except KeyboardInterrupt:
         pass  # interrupted while waiting: report what came

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import _signal
 import os
+import select
 import signal
 import threading
 import time
@@ -131,3 +132,17 @@ class Interrupts:
                     signal.getsignal(signal.SIGINT) != self._raise:  # the user's own handler
                 return
             sigint_to_main(self.main_id)
+
+
+def recv_whole(channel):
+    """The next message on ``channel``: an interrupt (the call being stopped) may end the wait
+    for it, never cut it in half -- SIGINT waits while a message is read, so the channel stays
+    whole."""
+    select.select([channel], [], [])
+    if not SIGINT_MASK:  # Windows: no signal mask (and no SIGINT inside a socket read)
+        return channel.recv()
+    held = _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)
+    try:
+        return channel.recv()
+    finally:
+        _signal.pthread_sigmask(_signal.SIG_SETMASK, held)

@@ -89,7 +89,11 @@ class Watch:
         from matplotlib.figure import Figure  # noqa: F401 -- imported now, not in the 1st redraw
 
         while not self._stop.is_set():
-            ended = self.job.wait(max(self.every - (time.monotonic() - began), self.every / 2))
+            until = time.monotonic() + max(self.every - (time.monotonic() - began),
+                                           self.every / 2)
+            ended = self.job.wait(until - time.monotonic())
+            if not ended:  # wait() returns at once while the job is paused at a breakpoint
+                self._stop.wait(max(0.0, until - time.monotonic()))
             began = time.monotonic()
             self.refresh()
             if ended:

@@ -149,15 +149,30 @@ class OutputRelay:
         """Start relaying ``stream`` ("stdout"/"stderr") of ``rank`` from ``sock``; the stderr
         socket also becomes the rank's :meth:`lifeline`. With a ``seal`` the stream carries sealed
         frames: one that fails its check drops the stream (and says so on the rank's stderr)."""
+        self._adopt(rank, stream, sock, FrameReader(seal) if seal is not None else None)
+
+    def _adopt(self, rank: int, stream: str, sock: socket.socket, reader: Optional[FrameReader],
+               partial: bytes = b"", got: int = 0, expected: Optional[int] = None) -> None:
+        """Relay ``stream`` of ``rank`` from ``sock``: read through ``reader`` (a protected
+        stream's, whose seal also signs the lifeline's commands), with what a relay it comes from
+        held of it -- a partial line, the frames counted, the frames the rank said it sent --
+        all in place before the relay thread can read a byte of it."""
         sock.setblocking(False)
+        key = (rank, stream)
         with self._lock:
-            self._eof[(rank, stream)] = threading.Event()
+            self._eof[key] = threading.Event()
             self._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES))
-            if seal is not None:
-                self._frames[(rank, stream)] = FrameReader(seal)
-            self._sel.register(sock, selectors.EVENT_READ, (rank, stream))
+            if partial:
+                self._partial[key] = partial
+            if reader is not None:
+                self._frames[key] = reader
+                self._got[key] = got
+            if expected is not None:
+                self._expected[key] = expected
+            self._sel.register(sock, selectors.EVENT_READ, key)
             if stream == "stderr":
-                self._lifelines[rank] = Lifeline(rank, sock, self._eof[(rank, stream)], seal)
+                self._lifelines[rank] = Lifeline(rank, sock, self._eof[key],
+                                                 reader.seal if reader is not None else None)
         self._wake_w.send(b"x")
 
     def lifeline(self, rank: int) -> Optional[Lifeline]:
@@ -336,18 +351,22 @@ class OutputRelay:
             sys.__stderr__.write(f"nbdist: output sink failed ({err!r}); rank {rank}: {text}\n")
 
     def move_to(self, other: "OutputRelay") -> None:
-        """Hand every open stream (with its partial line and stderr tail) to ``other``, then
-        close this relay: ranks admitted in the background join the group's relay this way."""
+        """Hand every open stream (with its partial line and stderr tail, and a protected
+        stream's frame reader -- its seal, the part of a frame read so far -- and frame counts)
+        to ``other``, then close this relay: ranks admitted in the background join the group's
+        relay this way, signed as they were."""
         with self._lock:
             self._read_ready()  # what arrived so far goes out here
             for key in list(self._sel.get_map().values()):
                 if key.data is not None:
                     self._sel.unregister(key.fileobj)
                     rank, stream = key.data
-                    other._partial[key.data] = self._partial.pop(key.data, b"")
-                    other._tails.setdefault(rank, collections.deque(maxlen=TAIL_LINES)).extend(
-                        self._tails.get(rank, ()))
-                    other.add(rank, stream, key.fileobj)
+                    with other._lock:
+                        other._tails.setdefault(rank, collections.deque(
+                            maxlen=TAIL_LINES)).extend(self._tails.get(rank, ()))
+                    other._adopt(rank, stream, key.fileobj, self._frames.pop(key.data, None),
+                                 self._partial.pop(key.data, b""), self._got.pop(key.data, 0),
+                                 self._expected.pop(key.data, None))
         self.close()
 
     def close(self) -> None:

@@ -1,5 +1,6 @@
 """A generation of ranks that torchrun restarts while the group stops is ended, not left holding
-the nodes (issue 25, risk 5).
+the nodes (issue 25, risk 5); a signed group's next generation is signed as the first was (issue
+34, risk 1).
 
 Node 1's restarted worker starts late (a wrapper sleeps before ``nbdist.worker``), so ``stop()``
 lands while generation 2 is half joined: rank 0 has connected and waits in the rendezvous for
@@ -15,7 +16,7 @@ import pytest
 
 import nbdist
 
-from attach_helpers import free_port, kill_tree, torchrun, wait_all, wait_for
+from attach_helpers import Cluster, free_port, kill_tree, torchrun, wait_all, wait_for
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -76,3 +77,26 @@ def test_a_stop_while_a_restarted_generation_joins_ends_it(late_node):
     told = "the controller ended this rank: its group failed"
     assert agents[0].stderr.read().count(told) == 2  # generation 1's rank 0, then generation 2's
     assert _connections_to(port) == []
+
+
+def test_a_signed_groups_restarted_generation_is_signed_too(tmp_path):
+    """Issue 34, risk 1: generation 2's streams joined the group's relay without their seal.
+    Its output was shown as raw frame bytes, and its interrupt, stacks, kill and abort commands
+    went unsigned: the worker refused them (exit 73), so a timeout never interrupted those ranks.
+    ``protect=True`` signs on loopback as on a shared network."""
+    cluster = Cluster(tmp_path, max_restarts=1, protect=True)
+    g = cluster.group
+    try:
+        with pytest.raises(nbdist.RankDiedError, match="generation 2"):
+            g.exec("import os\nif rank == 1:\n    os._exit(3)\n"
+                   "t = torch.ones(1); dist.all_reduce(t)")
+        assert g.exec("print('hello from generation 2')\nrank") == [0, 1]  # generation 2's
+        assert all("hello from generation 2" in g.last_output[r] for r in (0, 1)), g.last_output
+        with pytest.raises(nbdist.DistTimeoutError, match="ranks 0, 1 still running after 2 s; "
+                           "stopped on SIGINT; the group is still usable") as info:
+            g.exec("import time\ntime.sleep(60)", timeout=2)
+        assert info.value.stacks is not None  # the stacks request reached them, signed
+        assert g.exec("rank") == [0, 1]
+    finally:
+        codes = cluster.close()
+    assert codes == [0, 0], codes  # generation 2 stopped cleanly: no rank refused a command

@@ -34,6 +34,30 @@ def test_stacks_of_an_idle_group_fold_into_one_line():
         assert stacks.frames(0) == [] and set(stacks.by_rank) == {0, 1}
 
 
+def test_answers_another_thread_already_read_are_not_waited_for():
+    """Issue 34, risk 8: the reader of an idle group's channels (``Group.stacks()`` under the
+    group's lock) counted only the answers it read itself. Answers a call had already read and
+    posted -- that call ended just before the lock was taken -- made it wait its whole timeout."""
+    from nbdist.runtime import stacks
+
+    with nbdist.start(2, backend="gloo", device="cpu", timeout=30) as g:
+        rs = g._rs
+        n, asked = stacks.ask(rs, [0, 1])
+        for _ in range(200):  # each call reads the channels, and posts the answers it finds
+            g.run(int)
+            if len(rs.stacks.answered(n, asked)) == 2:
+                break
+        assert rs.stacks.answered(n, asked) == [0, 1]
+        got = {}
+        reader = threading.Thread(target=lambda: got.update(stacks.collect(rs, n, asked, 120.0,
+                                                                           read=True)))
+        with g._lock:  # as Group.stacks() when the group is idle: it reads the channels itself
+            reader.start()
+            reader.join(60)
+        assert not reader.is_alive(), "it waited for answers that had already come"
+        assert sorted(got) == [0, 1] and got[0]["threads"][0]["main"]
+
+
 def test_a_hung_collective_and_a_stuck_rank_are_seen_while_the_job_runs():
     with nbdist.start(2, backend="gloo", device="cpu", timeout=60) as g:
         g.exec(SLEEPERS)

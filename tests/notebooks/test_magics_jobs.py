@@ -97,6 +97,37 @@ def test_wait_shows_a_progress_bar_of_the_logged_steps(shell, dist_group):
     assert re.match(r"stepping: 100%\|.*\| 40/40 \[", frames[-1]), frames[-1]
 
 
+def test_the_live_view_of_a_job_paused_at_a_breakpoint_waits_between_refreshes(
+        shell, dist_group, monkeypatch):
+    """Issue 34, risk 2: ``Job.wait()`` returns at once while the job is paused at a breakpoint,
+    and the view's loop had no other wait: it refreshed -- widget updates -- as fast as it could
+    for as long as the pause lasted, a core spinning. Refreshes stay at least half the view's
+    period apart (its shortest wait), counted over a pause of 2 s and more."""
+    from nbdist.ui import live
+
+    refreshed = []
+    refresh = live.Watch.refresh
+
+    def counted(view):
+        refreshed.append(time.monotonic())
+        refresh(view)
+
+    monkeypatch.setattr(live.Watch, "refresh", counted)
+    job = shell.run_cell_magic("dist", "--bg pausing -q", "x = 1\nif rank == 1:\n"
+                               "    breakpoint()\nx + rank")
+    assert not job.wait(60) and job.paused, job.describe()  # wait() returns once paused
+    with capture_output():
+        view = live.watch(job)
+        time.sleep(2.0)  # the pause lasts
+        during = list(refreshed)
+        assert job.paused and job.debug("c") == ""
+        assert job.wait(60) and job.result() == [1, 2]
+        view.join(30)
+    span = during[-1] - during[0]
+    assert len(during) - 1 <= span / (live.MIN_EVERY / 2) + 1, (len(during), span)
+    assert view.button.disabled  # it noticed the end as before
+
+
 SPIN = ("import time, nbdist\nfor i in range(10**6):\n    nbdist.log(step=i, x=i)\n"
         "    time.sleep(0.01)")
 

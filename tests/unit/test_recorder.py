@@ -43,3 +43,58 @@ def test_subgroups_and_shapes_read_plainly():
     assert analyse(records, {1: "<dist-cell-3>:2 <module>"}) == [
         "rank 1 never reached collective #2 on group 1 (its last was #1); it is at "
         "<dist-cell-3>:2 <module>."]
+
+
+class _Held(list):
+    """A record whose copy waits, inside :func:`recorder.snapshot`, until the main thread has
+    recorded another collective: the interleaving of a stack request (the watchdog thread) with
+    the rank's main thread issuing a collective, forced."""
+
+    def __init__(self, entry, reached, go):
+        super().__init__(entry)
+        self.reached, self.go = reached, go
+
+    def __iter__(self):
+        self.reached.set()
+        assert self.go.wait(10), "the collective was never recorded"
+        return super().__iter__()
+
+
+def test_a_snapshot_taken_while_the_main_thread_records_a_collective_does_not_fail():
+    """Issue 34, risk 4: ``snapshot()`` (the watchdog, answering a stack request) iterated the
+    records while the main thread appended one; the RuntimeError ended the watchdog, and the rank
+    could no longer be interrupted, killed or aborted."""
+    import threading
+
+    from nbdist.runtime import recorder
+
+    saved, counts = list(recorder._records), dict(recorder._counts)
+    recorder._records.clear()
+    reached, go = threading.Event(), threading.Event()
+    recorder._records.append(_Held(rec(1), reached, go))
+    recorder._records.append(rec(2))
+    got, errors = [], []
+
+    def watchdog():
+        try:
+            got.append(recorder.snapshot())
+        except RuntimeError as err:  # "deque mutated during iteration"
+            errors.append(err)
+
+    try:
+        thread = threading.Thread(target=watchdog)
+        thread.start()
+        assert reached.wait(10)
+        collective = recorder._wrap("barrier", lambda: None, type(None), type(None))
+        collective()  # the main thread records a collective meanwhile
+        go.set()
+        thread.join(10)
+        assert errors == [] and not thread.is_alive()
+        assert [e[0] for e in got[0]] == [1, 2]  # the records as they were when it was asked
+        assert recorder.snapshot()[-1][1] == "barrier" and len(recorder._records) == 3
+    finally:
+        go.set()
+        recorder._records.clear()
+        recorder._records.extend(saved)
+        recorder._counts.clear()
+        recorder._counts.update(counts)

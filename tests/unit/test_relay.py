@@ -110,3 +110,49 @@ def test_a_drain_or_a_second_close_after_close_does_nothing(relay):
     relay.close()
     assert relay.lines == []  # what came after close is not shown
     ranks.close()
+
+
+def test_a_signed_stream_moved_to_the_groups_relay_stays_signed():
+    """Issue 34, risk 1: ranks torchrun restarted join a relay of their own, then move to the
+    group's (``move_to``). Their streams were re-added there without their seal, frame reader and
+    counters: the group printed raw frame bytes, and sent the lifeline's commands (interrupt,
+    stacks, kill, abort) unsigned, which the rank refuses (it exits with code 73). Here a frame
+    is cut in half by the move, and the commands after it must still read as signed frames."""
+    from nbdist.wire import seal as seal_module
+    from nbdist.wire.transport import recv_exact
+
+    key, ours, theirs = b"k" * 32, {}, {}
+    lines = []
+    generation = OutputRelay(lambda rank, stream, text: lines.append(("gen", stream, text)))
+    group = OutputRelay(lambda rank, stream, text: lines.append(("group", stream, text)))
+    peers = {}
+    try:
+        for stream in ("stdout", "stderr"):
+            mine, peer = socket.socketpair()
+            nonce = stream.encode().ljust(16, b"-")
+            ours[stream] = seal_module.Seal(key, nonce, nonce, is_server=True)
+            theirs[stream] = seal_module.Seal(key, nonce, nonce, is_server=False)
+            generation.add(0, stream, mine, ours[stream])
+            peers[stream] = peer
+        first = theirs["stdout"].frame(b"before the move\n")
+        cut = theirs["stdout"].frame(b"across the move\n")
+        peers["stdout"].sendall(first + cut[:20])
+        generation.drain()
+        generation.move_to(group)
+        peers["stdout"].sendall(cut[20:] + theirs["stdout"].frame(b"after the move\n"))
+        group.expect(0, {"stdout": 3})  # the rank sent 3 frames before its reply
+        group.drain()
+        shown = [(w, line) for w, s, t in lines if s == "stdout" for line in t.splitlines()]
+        assert shown == [("gen", "before the move"), ("group", "across the move"),
+                         ("group", "after the move")], lines
+        assert group._got[(0, "stdout")] == 3  # what drain waits for counts every frame
+        lifeline = group.lifeline(0)
+        assert lifeline.interrupt(7) and lifeline.stacks(8)
+        peers["stderr"].settimeout(10)
+        for want in (b"I7;", b"S8;"):  # the worker's watchdog reads each command as a frame
+            assert seal_module.read_frame(peers["stderr"], theirs["stderr"], recv_exact) == want
+    finally:
+        generation.close()
+        group.close()
+        for peer in peers.values():
+            peer.close()
