@@ -24,6 +24,8 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ranks_phrase
+from ..wire import locks
+from ..wire.deadline import Deadline, poll_until
 from . import recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -84,7 +86,7 @@ class StacksBox:
     posts (the one reading the rank's channel); the asker waits. Its lock is a leaf."""
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(locks.make("stacks"))
         self._got: Dict[Tuple[int, int], Dict[str, Any]] = {}
 
     def post(self, n: int, rank: int, body: Dict[str, Any]) -> None:
@@ -230,11 +232,9 @@ def at_timeout(call, rs, waiting: List[int], world_size: int) -> Optional["Stack
     (the caller's thread reads the channels: :meth:`Call.poll <nbdist.runtime.calls.Call.poll>`
     posts each answer). ``None`` if no rank answered."""
     n, asked = ask(rs, waiting)
-    deadline = time.monotonic() + AT_TIMEOUT_S
     try:
-        while asked and time.monotonic() < deadline and \
-                len(rs.stacks.answered(n, asked)) < len(asked):
-            call.poll(rs, max(0.0, deadline - time.monotonic()))
+        poll_until(lambda: len(rs.stacks.answered(n, asked)) == len(asked),
+                   lambda left: call.poll(rs, left), Deadline(AT_TIMEOUT_S))
     except KeyboardInterrupt:
         pass  # interrupted while waiting: report what came
     got = rs.stacks.take(n, asked)
