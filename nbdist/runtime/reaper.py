@@ -53,17 +53,19 @@ KILLED_S = 0.2
 
 
 def reap_ranks(ranks: Iterable, deadline: Deadline, asked: Optional[Deadline] = None,
-               relay=None, streams: Optional[Deadline] = None) -> List[int]:
+               relay=None, streams_s: float = 0.0) -> List[int]:
     """:func:`reap` the processes of ``ranks`` (:class:`~nbdist.runtime.ranks.Rank` s), close their
-    channels, and -- given their ``relay`` -- wait until ``streams`` (default ``deadline``) for
-    their last lines. Returns the ranks whose process was still running."""
+    channels, and -- given their ``relay`` -- wait up to ``streams_s`` s more (all ranks together,
+    no more than is left of ``deadline``, but :data:`KILLED_S` at least) for their last lines.
+    Returns the ranks whose process was still running."""
     ranks = list(ranks)
     left = set(map(id, reap([r.process for r in ranks], deadline, asked)))
     for r in ranks:
         if r.channel is not None:
             r.channel.close()
     if relay is not None:
-        streams = streams or deadline
+        budget = deadline.left()
+        streams = Deadline(streams_s if budget is None else min(streams_s, max(budget, KILLED_S)))
         for r in ranks:
-            relay.wait_closed(r.rank, streams.left() or 0.0)
+            relay.wait_closed(r.rank, streams.left())
     return [r.rank for r in ranks if id(r.process) in left]
