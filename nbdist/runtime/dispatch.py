@@ -63,12 +63,13 @@ class Dispatch:
         n, asked = stacks.ask(rs, targets, all_threads)
         read = self._lock.acquire(blocking=False)  # held: nobody else reads the channels
         try:
-            if read and self.job is not None:  # the job's thread reads them: let it
-                self._lock.release()
+            if read and (self.job is not None or not rs.lock.acquire(blocking=False)):
+                self._lock.release()  # the job's thread reads them (it holds the rank set)
                 read = False
             got = stacks.collect(rs, n, asked, timeout, read)
         finally:
             if read:
+                rs.lock.release()
                 self._lock.release()
         return stacks.Stacks({r: got.get(r) for r in targets}, self.world_size)
 
