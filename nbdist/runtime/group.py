@@ -24,7 +24,7 @@ from .calls import Call
 from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
 from .dispatch import Dispatch
 from .jobs import Job
-from .launcher import Incarnation, Launcher, LocalLauncher
+from .launcher import SHUTDOWN_S, Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
 from .output import RankOutput, rank_nodes
 from .ranks import Rank, RankSet
@@ -254,7 +254,7 @@ class Group(Dispatch):
         finally:
             self._lock.release()
         if left:
-            raise stopping.left_behind(left, budget)
+            raise stopping.left_behind(left, SHUTDOWN_S if budget is None else budget)
 
     def __enter__(self) -> "Group":
         return self

@@ -41,12 +41,12 @@ def acquire(group, budget: Optional[float], deadline: Deadline, keep: float) -> 
     return group._lock.acquire(timeout=deadline.left())
 
 
-def left_behind(left: Dict[int, str], budget: Optional[float]) -> DistTimeoutError:
+def left_behind(left: Dict[int, str], budget: float) -> DistTimeoutError:
     """The error of a stop that stopped the group but could not confirm ``left`` ended
     (``{rank: why}``) within ``budget`` s."""
     said = "; ".join(f"rank {r}: {why}" for r, why in sorted(left.items()))
     return DistTimeoutError(
         f"the group is stopped, but {ranks_phrase(left)} could not be confirmed gone within "
-        f"{'the time' if budget is None else f'{budget:g} s'}: {said}. Nothing on this side "
+        f"{budget:g} s: {said}. Nothing on this side "
         "waits for them any more; a rank that is still running ends when it notices its "
         "controller is gone.", sorted(left))

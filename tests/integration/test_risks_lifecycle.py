@@ -196,3 +196,40 @@ def test_stop_all_with_unreachable_ranks_returns_in_time_and_says_what_it_left(
         for p in c.nodes:
             kill_tree(p)
             p.stderr.close()
+
+
+def test_stop_gives_up_on_a_call_that_waits_for_unreachable_ranks_within_its_time(tmp_path):
+    """A call blocked on ranks that never answer (nor die: their host stopped) holds the group
+    past the stop's time: stop(timeout=1) kills them, still returns within its time, and says
+    what holds the group; the call ends as stopped once it sees them gone."""
+    from attach_helpers import Cluster, kill_tree
+
+    c = Cluster(tmp_path, nnodes=2, nproc=1)
+    g = c.group
+    pids = [r.pid for r in g.status().ranks]
+    caller, box = in_thread(g.exec, "import time\nwhile True:\n    time.sleep(0.01)")
+    try:
+        while g.state != "busy":
+            time.sleep(0.01)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)
+        began = time.monotonic()
+        with pytest.raises(nbdist.GroupBusyError) as info:
+            g.stop(timeout=1)
+        assert time.monotonic() - began < STOP_GUARD
+        assert str(info.value) == (
+            "stop(timeout=1) could not stop the group: another thread still holds it 5 s later "
+            "(running 'exec', whose ranks were killed). The stop is recorded: that thread stops "
+            "the group as soon as it is done; call stop() again to wait for it.")
+    finally:
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        caller.join(LIVENESS)
+        for p in c.nodes:
+            kill_tree(p)
+            p.stderr.close()
+    assert isinstance(box.get("error"), nbdist.GroupClosedError), box
+    assert g.state == "stopped"
