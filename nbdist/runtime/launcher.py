@@ -316,7 +316,7 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
 
 
 #: seconds a whole shutdown may take by default (a stop with a timeout takes what is left of it)
-SHUTDOWN_S = 8.0
+SHUTDOWN_S = 7.5
 #: seconds the ranks of a start that failed get to be reaped once killed
 FAILED_START_S = 5.0
 

@@ -141,7 +141,7 @@ def test_a_node_that_vanishes_during_a_call_is_reported_by_name(nodes):
 def test_stopping_a_group_whose_node_vanished_waits_once_not_per_rank(netns, tmp_path):
     """Risk 3: a teardown waited ~11 s for each unreachable rank (5 s per stream to see it gone,
     then 0.5 s more per stream), under the group's lock. Now every wait is one deadline shared by
-    all ranks (issue 34: one deadline for the whole teardown, 8 s by default), whatever their
+    all ranks (issue 34: one deadline for the whole teardown, 7.5 s by default), whatever their
     number, and the stop says which ranks it could not see end. Asserted: under 11 s for three
     unreachable ranks, less than one rank used to cost (they used to take about 37 s)."""
     three = Nodes(netns, tmp_path, here=0, there=3)
@@ -150,7 +150,7 @@ def test_stopping_a_group_whose_node_vanished_waits_once_not_per_rank(netns, tmp
         three.cut()
         start = time.monotonic()
         with pytest.raises(nbdist.DistTimeoutError, match=r"the group is stopped, but ranks "
-                           r"0, 1, 2 could not be confirmed gone within 8 s: rank 0: it did not "
+                           r"0, 1, 2 could not be confirmed gone within 7.5 s: rank 0: it did not "
                            r"end within the time left \(its host does not answer\?\)"):
             three.group.stop()  # before keepalive could tell that the node is gone
         took = time.monotonic() - start
