@@ -9,7 +9,8 @@ A rank's state has one owner: the :class:`Rank` itself. Every change is one of i
 
 Who calls which -- once a rank belongs to a :class:`RankSet`, only the thread holding that set's
 ``ranks`` lock (:attr:`RankSet.lock`: the caller's in a call, a job's while it waits for its own
-call, the teardown), which the test suite checks on every move: the accept loop (:mod:`.ready`) ``connected()`` and ``ready()``; a call
+call, the teardown), which the test suite checks on every move: the accept loop (:mod:`.ready`)
+``connected()`` and ``ready()``; a call
 (:mod:`.calls`) ``begin()``, ``replied()``, ``settled()`` (a rank not reached by an interrupted
 send, or left after an interrupt) and ``died()``; the group's teardown (:meth:`RankSet.shutdown`)
 ``stopped()``; a failed reply ``failed()``; an attached group's next generation (:mod:`.generations`)

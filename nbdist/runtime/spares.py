@@ -86,7 +86,8 @@ class Spare:
         """End the spare and reap it (:mod:`.reaper`)."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        reap([LocalProcess(self.process)], Deadline(DISCARD_S))
+        with contextlib.suppress(ValueError):  # closed already: reaped before
+            reap([LocalProcess(self.process)], Deadline(DISCARD_S))
 
 
 #: seconds a discarded spare gets to be reaped once killed
@@ -153,6 +154,7 @@ def top_up() -> int:
             ours, theirs = ctx.Pipe()
             process = ctx.Process(target=spare_main, args=(theirs,), name="nbdist-spare")
             _Pool.starting.append(process)
+        spare = None
         try:
             spare = _spawn(process, ours, theirs)
         finally:
