@@ -58,8 +58,11 @@ Threading model
     them.
     *Job thread* (``nbdist-job-NAME``, one per background job): the job is recorded on the group
     only once its request reached the ranks, and its thread always starts; it waits without the
-    group's lock, then takes it to settle the call as a blocking call would -- unless the group
-    was stopped or restarted meanwhile, which ends the job with ``GroupClosedError``.
+    group's lock -- holding its rank set's (``ranks``), as it reads the channels and moves the
+    ranks' states --, then takes the group's to settle the call as a blocking call would --
+    unless the group was stopped or restarted meanwhile, which ends the job with
+    ``GroupClosedError`` (and, if that stop could not take the rank set from it in time, the
+    job's thread reaps those ranks itself: ``RankSet.retire``).
     *Regenerate thread* (attached groups, ``nbdist-regenerate``): alone admits the ranks torchrun
     restarted, into a relay of its own, and hands the generation over under its condition; the
     caller thread takes it on the next call. It stops when the group closes.
@@ -69,9 +72,11 @@ Threading model
     *Prewarm thread* (``nbdist-prewarm``, once, at ``%load_ext nbdist`` or the first start): starts
     the forkserver with torch imported, or, where workers are spawned, the warm spares
     (:mod:`.spares`); it shares only the ``__main__`` swap
-    (:func:`~nbdist.runtime.forkserver.main_hidden`, its own leaf lock) and the spares' pool (one
-    top-up at a time; the list under a leaf lock) with a starting group, which takes spares and
-    tops them up again on the caller thread.
+    (:func:`~nbdist.runtime.forkserver.main_hidden`, the ``main`` leaf lock) and the spares' pool
+    (the list and the spawns in flight under the ``spares`` leaf lock) with a starting group,
+    which takes spares; after each spawn start another prewarm thread tops them up again (never
+    the caller's, which holds the group). ``spares.close`` (at exit: for good) waits for spawns in
+    flight, which then keep nothing.
     *Widget poller* (``nbdist-launcher-status``, one per launcher panel) and *live view*
     (``nbdist-watch-NAME``, one per watched job), in :mod:`nbdist.ui`: they only read --
     ``status()``, ``job.metrics``, ``job.output`` -- and survive an error in one refresh.
@@ -82,13 +87,19 @@ Threading model
     rank's lock-free ``SimpleQueue``; the next request to that rank carries it back.
     *Another thread* may call ``status()`` at any time (it reads ranks without the lock: a row may
     be one step behind; each process handle is read once, and one released meanwhile means the
-    exit status is known) and ``stop(timeout)``: if another thread holds the lock longer than
-    ``timeout``, ``stop`` records the stop (``_stop_requested``: the holder checks it after each
-    step and completes the stop itself) and kills that call's processes (and nothing else) -- or,
-    with no call running (ranks starting), closes the launcher, which ends an attached group's
-    wait for torchrun's next generation; the holder then tears the group down and raises
-    ``GroupClosedError``. ``stop`` waits up to 5 s for that, else raises ``GroupBusyError`` saying
-    what it could not stop. Interpreter exit uses ``stop(5.0)``.
+    exit status is known) and ``stop(timeout)``, all of which takes at most ``max(timeout,
+    5)`` s, one deadline for every step (:mod:`nbdist.wire.deadline`): a job is interrupted and
+    waited for within it; if another thread holds the lock once only 5 s are left, ``stop``
+    records the stop (``_stop_requested``: the holder checks it after each step and completes the
+    stop itself, within the stop's deadline) and kills that call's processes (and nothing else),
+    ending its pdb prompt if one waits for the user (SIGINT to the main thread) -- or, with no
+    call running (ranks starting), closes the launcher, which ends an attached group's wait for
+    torchrun's next generation; the holder then tears the group down and raises
+    ``GroupClosedError``. If the holder still has the lock at the deadline ``stop`` raises
+    ``GroupBusyError`` saying what it could not stop; ranks not confirmed gone by then (an
+    unreachable host; a job's thread still holding the rank set) raise ``DistTimeoutError``
+    naming them, once the group is stopped (:mod:`.stopping`). Interpreter exit uses
+    ``stop(5.0)`` (``stop_all``, which says on stderr what a stop left).
     Signals: Ctrl-C reaches the main thread as ``KeyboardInterrupt`` wherever it runs. While
     sending or waiting, the call records the outcome ``interrupted`` and the policy interrupts the
     ranks (a rank whose request was cut in half is killed: its channel is torn); once every rank
@@ -96,20 +107,26 @@ Threading model
     the group stays ready; anywhere else the group is torn down, and ``restart()`` brings it back.
 
     Locks, outermost first (:data:`nbdist.wire.locks.ORDER`; a thread holding one may take only a
-    later one, and the test suite checks every acquisition against this order):
-    ``group`` (the group's ``RLock``: a call, a lifecycle change) -> ``generations`` (the
-    regenerate thread's hand-over) -> ``relay`` (an output relay's buffers; the router and the
-    lifeline hook run under it; a generation's relay nests the group's in ``move_to``) ->
-    ``abort`` (an attached group's abort of its ranks) -> ``output`` (the router's folder) ->
-    ``sink`` (the sink thread's queue) -> ``metrics`` (a call's rows) -> ``lifeline`` and
-    ``channel`` (one writer per socket) -> ``pool`` (segment hooks; finalizers take it).
-    Leaf locks outside the order, under which nothing else is taken: the ``__main__`` swap, the
-    stacks box (:class:`~nbdist.runtime.stacks.StacksBox`: whichever thread reads a rank's channel
-    posts its stack there; ``Group.stacks()`` reads the channels itself, under the group's lock,
-    only when it could take that lock at once and no job runs), the spares' list (:mod:`.spares`; its top-up lock is held only around the swap and the list), the
-    launcher panel's refresh lock, a job output display's lock (:mod:`nbdist.ui.joboutput`: the
-    relay thread takes it under ``output``), and on the ranks the log batcher's and the stream
-    pumps'.
+    later one, and the test suite checks every acquisition against this order -- module-level
+    locks too, and every move of a rank's state against the lock below that guards it):
+    ``panel`` (a launcher panel's refresh; it reads ``status()``) -> ``group`` (the group's
+    ``RLock``: a call, a lifecycle change) -> ``ranks`` (a running group's
+    :class:`~nbdist.runtime.ranks.RankSet`: its holder alone reads the control channels and moves
+    the ranks' states -- the caller's thread in a call, under ``group``; a job's thread while it
+    waits, without it; the teardown) -> ``generations`` (the regenerate thread's hand-over) ->
+    ``relay`` (an output relay's buffers; the router and the lifeline hook run under it; a
+    generation's relay nests the group's in ``move_to``) -> ``abort`` (an attached group's abort
+    of its ranks) -> ``output`` (the router's folder) -> ``display`` (a job output display,
+    :mod:`nbdist.ui.joboutput`) -> ``sink`` (the sink thread's queue) -> ``metrics`` (a call's
+    rows) -> ``lifeline`` and ``channel`` (one writer per socket) -> the leaves, under which
+    nothing else is taken: ``pauses`` (a job's ranks at a breakpoint), ``stacks`` (the stacks box,
+    :class:`~nbdist.runtime.stacks.StacksBox`: whichever thread reads a rank's channel posts its
+    stack there; ``Group.stacks()`` reads the channels itself, under the group's lock, only when
+    it could take that lock at once and no job runs), ``spares`` (:mod:`.spares`), ``main`` (the
+    ``__main__`` swap), ``raising`` (a rank's SIGINT on Windows) -> ``pool`` (segment hooks;
+    finalizers take it). Outside the order, on the ranks only: the log batcher's and the stream
+    pumps' locks. A control channel is torn per direction: a debugger's thread may send on it
+    while another thread reads it.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process
@@ -126,8 +143,9 @@ Threading model
     Who writes what: the group's ``_state``, ``_rs``, ``_inc``, ``_job``, ``_last_call`` -- the
     thread holding the group's lock (``_stop_requested`` also ``stop()`` from another thread,
     which only sets it); a :class:`~nbdist.runtime.ranks.Rank` -- its own methods, called by the
-    thread holding the group's lock (or, while ranks start, by the thread starting them: the
-    caller's, or the regenerate thread for a generation nobody has taken yet); a
+    thread holding its rank set's ``ranks`` lock (checked by the suite; while ranks start, the
+    thread starting them: the caller's, or the regenerate thread for a generation nobody has
+    taken yet); a
     :class:`~nbdist.runtime.calls.Call`'s ``pending`` / ``replies`` / ``dead`` -- the thread
     waiting on it; its ``output`` and ``lines`` -- the relay thread (what each rank printed,
     appended by the router; the job's thread reads the count, never iterates the dict the relay

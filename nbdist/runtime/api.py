@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import atexit
+import sys
 from typing import Any, Callable, List, Optional
 
+from ..errors import NbdistError
 from . import group as group_module
 from .attach import AttachLauncher, parse_listen
 from .group import Group
@@ -62,12 +64,15 @@ def launch(fn: Callable, *args, world_size: int = 2, backend: Optional[str] = "a
 
 
 def stop_all() -> None:
-    """Stop every group still running in this process (also runs at interpreter exit)."""
+    """Stop every group still running in this process (also runs at interpreter exit), each
+    within about 5 s whatever its ranks do; what a stop could not do is said on stderr (it does
+    not stop the others)."""
     for group in list(group_module._live):
         try:
             group.stop(timeout=5.0)
-        except Exception:  # noqa: BLE001 -- exiting: stop the others regardless
-            pass
+        except NbdistError as err:  # left something behind: said, and the others still stopped
+            sys.stderr.write(f"nbdist: stopping group {group.id}: {type(err).__name__}: {err}\n")
+            sys.stderr.flush()
 
 
 atexit.register(stop_all)

@@ -115,9 +115,10 @@ class AttachLauncher(Launcher):
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
                                            admission)
             except BaseException:
-                from .ranks import kill_all
+                from ..wire.deadline import Deadline
+                from .reaper import reap_ranks
 
-                kill_all(ranks.values(), join=1.0)
+                reap_ranks(ranks.values(), Deadline(1.0))
                 raise
             finally:
                 admission.close()
@@ -160,20 +161,21 @@ class AttachLauncher(Launcher):
         """What the ranks chose for ``"auto"`` (from their ready reports); they must agree."""
         return agreed_choice(choice, {r.rank: r.info or {} for r in ranks})
 
-    def cleanup(self) -> None:
+    def cleanup(self, deadline=None) -> None:
         """Nothing while a new generation may still join (see :meth:`close`)."""
         if self.regen is None:
-            self.close()
+            self.close(deadline)
 
-    def close(self) -> None:
+    def close(self, deadline=None) -> None:
         """The group stopped: stop listening, remove the key file if nbdist made it (to the end
-        even when interrupted: :mod:`.teardown`)."""
+        even when interrupted: :mod:`.teardown`); a generation still joining or never taken is
+        ended by ``deadline``."""
         self._closed = True
         with interrupts_deferred():
             regen = self.regen
             if regen is not None:
                 # torchrun may restart the failed ranks after this: turn them away for a while
-                regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0)
+                regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0, deadline)
                 self.regen = None
             if self.own_key_file and self.key_file:
                 try:

@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
+from ..wire.deadline import Deadline, poll_until
 from ..wire.relay import ABORT_EXIT_CODE
 from . import rankpdb, stacks
 from .metrics import Metrics
@@ -241,10 +242,9 @@ def _stop_pending(call: Call, rs: RankSet, grace: float):
     call.dead |= torn
     for r in call.pending - torn:
         rs.interrupt(r, call.seq)  # the worker's watchdog delivers SIGINT to its main thread
-    deadline = time.monotonic() + grace
     try:
-        while call.pending - call.dead and time.monotonic() < deadline:
-            call.poll(rs, max(0.0, deadline - time.monotonic()))
+        poll_until(lambda: not call.pending - call.dead, lambda left: call.poll(rs, left),
+                   Deadline(grace))
     except KeyboardInterrupt:
         pass  # interrupted again: stop waiting, kill what is left
     for r, (_, _, paths) in call.replies.items():
@@ -280,16 +280,17 @@ def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_rest
 def _deaths(call: Call, rs: RankSet) -> RankDiedError:
     # Survivors blocked in a collective with the dead rank fail within ~30 ms (gloo): wait a
     # moment for their replies, so their state is known, then report.
-    deadline = time.monotonic() + 1.0
-    while call.pending - call.dead and time.monotonic() < deadline:
-        call.poll(rs, max(0.0, deadline - time.monotonic()))
+    poll_until(lambda: not call.pending - call.dead, lambda left: call.poll(rs, left),
+               Deadline(1.0))
     # a rank whose control channel closed is dead, even if its stderr has not said so yet
     ended = rs.abort_remote(call.dead) if rs.ends_survivors else []
     dead = [r for r in sorted(call.dead) if r not in ended] or sorted(call.dead)
     deaths = {}
+    gone = Deadline(1.0)  # every dead rank's exit and last lines: one wait for them all
     for r in dead:
-        rs[r].process.join(1.0)
-        rs.relay.wait_closed(r, 1.0)
+        rs[r].process.join(gone.left())
+    for r in dead:
+        rs.relay.wait_closed(r, gone.left())
         deaths[r] = (rs[r].exit_status, rs.relay.tail(r))
         rs[r].died()
     tails = " ".join(t for _, t in deaths.values())

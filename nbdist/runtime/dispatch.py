@@ -60,6 +60,7 @@ class Dispatch:
         # read are those the lock guards (not a set a restart replaced meanwhile). Not held, a
         # call runs and its thread reads them; its ranks are read once, as status() reads them.
         read = self._lock.acquire(blocking=False)
+        held = None  # the rank set whose lock this thread took (the job thread holds a busy one)
         try:
             if read and self.job is not None:  # the job's thread reads them: let it
                 self._lock.release()
@@ -69,9 +70,17 @@ class Dispatch:
                 raise GroupClosedError(f"this group is {state}: it has no running ranks to "
                                        "take stacks from; call restart() (or nbdist.start()) "
                                        "first.")
+            if read:
+                if rs.lock.acquire(blocking=False):
+                    held = rs
+                else:  # another thread waits on these ranks and reads their channels
+                    self._lock.release()
+                    read = False
             n, asked = stacks.ask(rs, targets, all_threads)
             got = stacks.collect(rs, n, asked, timeout, read)
         finally:
+            if held is not None:
+                held.lock.release()
             if read:
                 self._lock.release()
         return stacks.Stacks({r: got.get(r) for r in targets}, self.world_size)
@@ -99,7 +108,8 @@ class Dispatch:
 
     def _send(self, call: Call) -> None:
         try:
-            call.send(self._rs)
+            with self._rs.lock:
+                call.send(self._rs)
         except BaseException:
             self._teardown()
             raise
@@ -109,8 +119,9 @@ class Dispatch:
         The group's state is settled before the call's output is shown: a Ctrl-C from then on
         loses this call's results, never the group."""
         try:
-            verdict = settle(call, self._rs, self._opts["grace"], self._opts["auto_restart"],
-                             self.world_size)
+            with self._rs.lock:  # the ranks' states move: the rank set's holder does it
+                verdict = settle(call, self._rs, self._opts["grace"],
+                                 self._opts["auto_restart"], self.world_size)
         except BaseException:
             self._teardown()  # something unforeseen mid-call: no channel can be trusted
             self._out.finish(call, None, wait=False)
@@ -153,7 +164,8 @@ class Dispatch:
                 call = self._begin(req, ranks, timeout)
                 try:
                     self._send(call)
-                    call.wait(self._rs)  # at once if the send was interrupted
+                    with self._rs.lock:
+                        call.wait(self._rs)  # at once if the send was interrupted
                     return self._end(call)
                 finally:
                     self._leave(call)
@@ -199,10 +211,12 @@ class Dispatch:
             try:
                 stall = self._opts.get("stall")
                 watch = stacks.StallWatch(call, rs, stall) if stall else None
-                call.wait(rs, tick=0.1, on_tick=watch.tick if watch else None)  # no lock held
-            except Exception as err:  # noqa: BLE001 -- the ranks shut down under it? see below
+                with rs.lock:  # not the group's: a stop takes this one to shut the ranks down
+                    call.wait(rs, tick=0.1, on_tick=watch.tick if watch else None)
+            except Exception as err:  # noqa: BLE001 -- the ranks failed under it? see below
                 lost = err
             with self._lock:
+                rs.retire()  # a stop that came meanwhile killed them and left the rest to us
                 if self._rs is not rs:  # never settle against other ranks, or none
                     how = ("stopped while job '{}' ran; its ranks were stopped with it. Start a "
                            "new group, or restart() this one." if self._state == "stopped" else

@@ -22,6 +22,8 @@ import time
 import types
 from typing import Optional
 
+from ..wire import locks
+
 
 #: the environment variable that sets the default start method (``forkserver`` or ``spawn``)
 ENV_VAR = "NBDIST_START_METHOD"
@@ -188,7 +190,7 @@ class _Hidden:
     it back, so overlapping swaps (the pre-warm thread and a group starting) can't leave the
     stand-in installed for good."""
 
-    lock = threading.Lock()
+    lock = locks.make("main", module_level=True)
     count = 0
     real: Optional[types.ModuleType] = None
 

@@ -28,8 +28,10 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import NbdistError
 from ..wire import locks
+from ..wire.deadline import Deadline
 from ..wire.relay import OutputRelay
-from .ranks import Rank, kill_all
+from .ranks import ASKED_S, Rank
+from .reaper import reap_ranks
 from .ready import Admission, AdmissionStopped, accept_until_ready
 from .rendezvous import host_store
 
@@ -130,10 +132,12 @@ class Regenerator:
                 return
         end_generation(ready, relay)  # joined as the group stopped: nobody will take it
 
-    def close(self, turn_away: float = 0.0) -> None:
-        """Stop admitting; end a generation that joined but was never taken; close the listener
-        -- after ``turn_away`` seconds during which ranks that still connect (torchrun restarting
-        them after the group stopped) are closed on at once, so they exit instead of retrying."""
+    def close(self, turn_away: float = 0.0, deadline: Optional[Deadline] = None) -> None:
+        """Stop admitting; end a generation that joined but was never taken, by ``deadline``
+        (default :data:`CLOSE_S` s); close the listener -- after ``turn_away`` seconds during
+        which ranks that still connect (torchrun restarting them after the group stopped) are
+        closed on at once, so they exit instead of retrying."""
+        deadline = deadline or Deadline(CLOSE_S)
         with self._cond:
             if self._closed:
                 return
@@ -142,9 +146,9 @@ class Regenerator:
             self._cond.notify_all()
         self._wake_w.send(b"x")  # stays readable: the admission of a joining generation stops
         self._wake_w.close()
-        self._thread.join(5.0)  # it ends a generation that joins meanwhile itself (_admit)
+        self._thread.join(deadline.left())  # it ends a generation joining meanwhile (_admit)
         if gen is not None:
-            end_generation(gen[0], gen[2])
+            end_generation(gen[0], gen[2], deadline)
         if turn_away > 0:
             threading.Thread(target=self._turn_away, args=(time.monotonic() + turn_away,),
                              name="nbdist-turn-away", daemon=True).start()
@@ -175,14 +179,17 @@ class Regenerator:
             self.listener.close()
 
 
-def end_generation(ranks: List[Rank], relay: OutputRelay, wait: float = 2.0) -> None:
+def end_generation(ranks: List[Rank], relay: OutputRelay,
+                   deadline: Optional[Deadline] = None) -> None:
     """Tell the ranks of a generation that will never run to exit with ABORT_EXIT_CODE (their
-    launcher sees a failure, as when a group fails), wait up to ``wait`` s for them all, kill
-    what still runs, close their relay."""
+    launcher sees a failure, as when a group fails), give them up to :data:`ASKED_S` s of
+    ``deadline`` (default :data:`CLOSE_S` s) to do so, kill what still runs, close their relay."""
+    deadline = deadline or Deadline(CLOSE_S)
     for r in ranks:
         r.process.abort()
-    deadline = time.monotonic() + wait
-    for r in ranks:
-        r.process.join(max(0.0, deadline - time.monotonic()))
-    kill_all(ranks, join=1.0)
+    reap_ranks(ranks, deadline, asked=Deadline.earliest(deadline, Deadline(ASKED_S)))
     relay.close()
+
+
+#: seconds closing the generations takes at most, unless a stop's deadline says less
+CLOSE_S = 5.0

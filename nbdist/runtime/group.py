@@ -17,13 +17,14 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Unio
 
 from ..errors import GroupBusyError, GroupClosedError
 from ..wire import locks, segments
+from ..wire.deadline import Deadline
 from ..wire.relay import Sink
-from . import imports, requests
+from . import imports, requests, stopping
 from .calls import Call
 from .current import _live, current_group, say_once, set_current, started_ids  # noqa: F401
 from .dispatch import Dispatch
 from .jobs import Job
-from .launcher import Incarnation, Launcher, LocalLauncher
+from .launcher import SHUTDOWN_S, Incarnation, Launcher, LocalLauncher
 from .metrics import Metrics
 from .output import RankOutput, rank_nodes
 from .ranks import Rank, RankSet
@@ -32,8 +33,12 @@ from .status import (DETAIL_NOTE, GroupStatus, check_options, collect_status, de
 from .teardown import interrupts_deferred
 
 
-#: Seconds ``stop(timeout)`` waits, once it killed what it could, for the thread holding the group.
+#: Seconds ``stop(timeout)`` keeps, of its time, to wait for the thread holding the group once it
+#: killed what that thread runs (so ``stop`` takes at least this long to give up on it).
 STOP_WAIT = 5.0
+#: Seconds of a ``stop(timeout)`` that the thread it waits for keeps free when it tears the group
+#: down itself (the moment a killed process needs to be reaped, then its last lines)
+HOLDER_RESERVE_S = 1.0
 
 
 class Group(Dispatch):
@@ -88,6 +93,9 @@ class Group(Dispatch):
         self._stop_requested = False  # by stop() from another thread; see stop()
         self._launching = False  # the holder of the lock is starting ranks
         self._stopping = False  # the holder of the lock is in stop()
+        self._doing = ""  # what the holder was doing when stop() from another thread came
+        self._stop_by: Optional[Deadline] = None  # a stop's deadline for the holder's teardown
+        self._left: Dict[int, str] = {}  # what the last shutdown could not end, and why
         self._job: Optional[Job] = None  # the last background job (running or not)
         self._last_call: Optional[Call] = None
         self._inc: Optional[Incarnation] = None  # what one start made: ranks, relay, temp dir
@@ -140,9 +148,10 @@ class Group(Dispatch):
     def _launch(self) -> None:
         stopped = ("this group was stopped (stop() from another thread) while it was starting "
                    "ranks; nothing was left running. Start a new group, or restart() this one.")
+        closed = GroupClosedError(stopped)
         try:
             if self._stop_requested:
-                raise GroupClosedError(stopped)
+                raise closed
             say_once(self._choice.note)
             if debug_env(self._opts["debug"]):
                 say_once(DETAIL_NOTE)
@@ -157,9 +166,9 @@ class Group(Dispatch):
                 self._state = "broken"
                 raise
             self._state, self._stop_requested = "stopped", False  # the stop is done
-            if isinstance(err, GroupClosedError):
+            if err is closed:  # (the launcher's own refusal, closed meanwhile, says less)
                 raise
-            raise GroupClosedError(stopped) from err
+            raise closed from err
         self._ranks, self._rs, self._choice = self._inc.rs.ranks, self._inc.rs, self._inc.choice
         self._state, self._preloaded = "ready", set()
         if self._stop_requested:  # it came while these ranks started: they go at once
@@ -205,45 +214,47 @@ class Group(Dispatch):
     def stop(self, timeout: Optional[float] = None) -> None:
         """Stop every worker (process groups destroyed first) and release all resources.
 
-        ``timeout``: how long to wait for another thread that holds the group (a call, a start).
-        After it, that call's ranks are killed -- the call then raises :class:`GroupClosedError`
-        in its own thread, which releases everything -- or a start in progress is told to give up
-        (an attached group waiting for torchrun's next generation stops waiting); this method
-        waits up to :data:`STOP_WAIT` s more for that, then raises :class:`GroupBusyError`
-        saying what it could not stop: the stop stays recorded, and that thread stops the group
-        as soon as it is done. Either way, nothing is left running silently.
+        ``timeout``: how long the whole stop may take, at least :data:`STOP_WAIT` s (``None``:
+        as long as another thread holds the group, then up to :data:`SHUTDOWN_S
+        <nbdist.runtime.launcher.SHUTDOWN_S>` s). A background job is interrupted first.
+        Another thread that holds the group is waited for until :data:`STOP_WAIT` s are left;
+        then that call's ranks are killed (its pdb prompt ends; it raises
+        :class:`GroupClosedError` in its own thread, which releases everything) or a start is
+        told to give up. If it still holds the group at the end, :class:`GroupBusyError` says
+        what could not be stopped: the stop stays recorded, and that thread stops the group as
+        soon as it is done. Ranks not confirmed gone in time (a host that does not answer, a
+        job's thread still reading them) raise :class:`DistTimeoutError` naming them and why,
+        once the group is stopped. Either way, nothing is left running silently.
         """
+        budget = None if timeout is None else max(float(timeout), STOP_WAIT)
+        deadline = Deadline(budget)
+        self._left = {}
+        if budget is not None:  # a job's or a call's own teardown fits in it, leaving a moment
+            self._stop_by = Deadline(budget - HOLDER_RESERVE_S)
         if self._job is not None:  # a background job still running: interrupted first
-            self._job.end(self._opts["grace"] + 10.0)
-        if not self._lock.acquire(timeout=-1 if timeout is None else timeout):
-            self._stop_requested = True  # the thread holding the group checks it at each step
-            rs = self._rs
-            if self._stopping or (rs is None and not self._launching):
-                doing = "stopping ranks"  # a stop or restart that waits for unreachable ranks
-            elif rs is not None:
-                rs.kill(range(len(rs.ranks)))  # handles stay with the call's thread
-                doing = f"running '{getattr(self._last_call, 'what', 'a call')}', whose ranks " \
-                        "were killed"
-            else:  # an attached group's wait for torchrun's next generation
-                self._launcher.close()  # ends as its launcher closes
-                doing = "starting ranks"
-            if not self._lock.acquire(timeout=STOP_WAIT):
-                raise GroupBusyError(
-                    f"stop(timeout={timeout:g}) could not stop the group: another thread still "
-                    f"holds it {STOP_WAIT:g} s later ({doing}). The stop is recorded: that thread "
-                    "stops the group as soon as it is done; call stop() again to wait for it.")
+            self._job.end(self._opts["grace"] + 10.0 if budget is None else
+                          deadline.left() / 2)
+        if not stopping.acquire(self, budget, deadline, STOP_WAIT):
+            raise GroupBusyError(
+                f"stop(timeout={timeout:g}) could not stop the group: another thread still "
+                f"holds it {budget:g} s later ({self._doing}). The stop is recorded: that "
+                "thread stops the group as soon as it is done; call stop() again to wait for it.")
         try:  # to its end, a Ctrl-C meanwhile raised after it (the group is stopped by then)
             with interrupts_deferred():
                 self._stopping = True
                 try:
                     if self._state != "stopped":
-                        self._shutdown()
+                        self._shutdown(deadline if budget is not None else None)
                 finally:
                     self._state, self._stop_requested = "stopped", False
-                    self._launcher.close()  # an attached group stops listening for restarts
-                    self._stopping = False
+                    # an attached group stops listening for restarts
+                    self._launcher.close(deadline if budget is not None else None)
+                    self._stopping, self._stop_by = False, None
+                    left = self._left  # this stop's, or the holder's teardown's
         finally:
             self._lock.release()
+        if left:
+            raise stopping.left_behind(left, SHUTDOWN_S if budget is None else budget)
 
     def __enter__(self) -> "Group":
         return self
@@ -255,11 +266,17 @@ class Group(Dispatch):
         return (f"<nbdist.Group {self.id}: {self._state}{generation_note(self._ranks)}, world_size="
                 f"{self.world_size}, backend={self.backend!r}, device={self.device!r}>")
 
-    def _shutdown(self) -> None:
-        """Ask idle ranks to stop, kill the rest, reap everything, release every resource."""
-        if self._inc is not None:  # runs to its end even if interrupted; else the next completes it
-            self._inc.shutdown()
+    def _shutdown(self, deadline: Optional[Deadline] = None) -> Dict[int, str]:
+        """Ask idle ranks to stop, kill the rest, reap everything, release every resource, by
+        ``deadline``; what could not be ended by then, ``{rank: why}``."""
+        inc, job = self._inc, self._job
+        if job is not None and job.call.outcome is None:  # its thread stops reading the ranks
+            job.call.cancel()
+        if inc is not None:  # runs to its end even if interrupted; else the next completes it
+            inc.shutdown(deadline)
+            self._left = inc.left
         self._inc = self._rs = None
+        return inc.left if inc is not None else {}
 
     def _teardown(self) -> None:
         """After a failure: kill what still runs, release everything; ``restart()`` brings it back."""
@@ -267,7 +284,7 @@ class Group(Dispatch):
             try:
                 if self._rs is not None:
                     self._rs.kill(r.rank for r in self._rs.ranks if r.state == "busy")
-                self._shutdown()
+                self._shutdown(self._stop_by)  # within a stop's time, if one waits
             finally:
                 self._state = "stopped" if self._stop_requested else "broken"
                 self._stop_requested = False  # a stop from another thread is done

@@ -22,13 +22,15 @@ import cloudpickle
 from ..backends import BackendChoice, resolve_backend
 from ..backends.cores import usable_cores
 from ..wire import pool, segments, transport
+from ..wire.deadline import Deadline
 from ..wire.relay import OutputRelay
 from .advice import option
 from .current import say_once
 from . import forkserver, spares
 from .forkserver import check_start_method, main_hidden, mp_context
 from .processes import LocalProcess
-from .ranks import Rank, RankSet, kill_all
+from .ranks import ASKED_S, STREAMS_S, Rank, RankSet
+from .reaper import reap_ranks
 from .ready import Admission, accept_until_ready
 from .status import debug_env
 from .streams import stream_mode
@@ -68,15 +70,17 @@ class Launcher:
         """The backend and device the ready ``ranks`` use (``choice`` itself by default)."""
         return choice
 
-    def cleanup(self) -> None:
-        """Remove what :meth:`launch` left on this machine (nothing by default)."""
+    def cleanup(self, deadline: Optional[Deadline] = None) -> None:
+        """Remove what :meth:`launch` left on this machine (nothing by default), by ``deadline``
+        (``None``: each step's own bound)."""
 
     def can_relaunch(self, auto_restart: bool) -> bool:
         """Whether a broken group starts again on its next call (``auto_restart`` by default)."""
         return auto_restart and not self.restart_refusal
 
-    def close(self) -> None:
-        """The group stopped for good (after :meth:`cleanup`): release what outlives one launch."""
+    def close(self, deadline: Optional[Deadline] = None) -> None:
+        """The group stopped for good (after :meth:`cleanup`): release what outlives one launch
+        (by ``deadline``, as :meth:`cleanup`)."""
 
 
 class Incarnation:
@@ -93,6 +97,8 @@ class Incarnation:
         self.store: Any = None
         self.rs: Optional[RankSet] = None
         self.done = False  #: everything released (:meth:`shutdown` ran to its end)
+        #: what :meth:`shutdown` could not end by its deadline: ``{rank: why}``
+        self.left: Dict[int, str] = {}
         try:
             threads = threads_per_rank(opts)
             segments.sweep_orphans()
@@ -112,31 +118,38 @@ class Incarnation:
         if rs is not None:
             rs.freed(path, int(os.path.basename(path).split("-")[2][1:]))
 
-    def shutdown(self) -> None:
+    def shutdown(self, deadline: Optional[Deadline] = None) -> None:
         """Ask idle ranks to stop, kill the rest, reap everything, release every resource (once;
-        again after an interrupted try). Every step runs even if one fails or Ctrl-C comes: that
-        error or interrupt is raised once all is released."""
+        again after an interrupted try), all by ``deadline`` (default :data:`SHUTDOWN_S` s);
+        what it could not end by then is in :attr:`left`. Every step runs even if one fails or
+        Ctrl-C comes: that error or interrupt is raised once all is released."""
         if self.done:
             return
+        deadline = deadline or Deadline(SHUTDOWN_S)
         with interrupts_deferred():
             try:
-                run_all(self._stop_ranks, self._show_last_output, self._close_relay,
-                        lambda: pool.set_release_hook(self.group_id, None),
+                run_all(lambda: self._stop_ranks(deadline), self._show_last_output,
+                        self._close_relay, lambda: pool.set_release_hook(self.group_id, None),
                         lambda: segments.remove_segments(
                             segments.leftover_segments(self.group_id)),
-                        self._drop_store, self.launcher.cleanup, self._remove_tmp)
+                        self._drop_store, lambda: self.launcher.cleanup(deadline),
+                        self._remove_tmp)
             finally:
                 self.done = True
 
-    def _stop_ranks(self) -> None:
+    def _stop_ranks(self, deadline: Deadline) -> None:
         rs = self.rs
         if rs is None:
             return
         try:
-            rs.shutdown()
-        except BaseException:
-            kill_all(rs.ranks, join=2.0)  # what a failed shutdown left running goes now
+            left = rs.shutdown(deadline)
+        except BaseException:  # what a failed shutdown left running goes now
+            reap_ranks(rs.ranks, Deadline.earliest(deadline, Deadline(ASKED_S)))
             raise
+        why = ("its thread (a background job waiting for its ranks) still reads them; that "
+               "thread reaps them when it ends" if rs.orphaned else
+               "it did not end within the time left (its host does not answer?)")
+        self.left = {r: why for r in left}
 
     def _show_last_output(self) -> None:
         if self.relay is not None:
@@ -291,14 +304,12 @@ def start_workers(group_id: str, choice: BackendChoice, world_size: int, timeout
     except BaseException:
         for spare in warm:  # not handed out (an error midway)
             spare.discard()
-        kill_all(ranks.values())
-        for r in ranks:
-            relay.wait_closed(r, 0.5)
+        reap_ranks(ranks.values(), Deadline(FAILED_START_S), relay=relay, streams_s=STREAMS_S)
         raise
     finally:
         listener.close()
-    if spawned:
-        spares.top_up()  # for the next start or restart: they import while this group works
+    if spawned:  # for the next start or restart, in the background: never under the group's lock
+        spares.warm()
     return ready
 
 
@@ -309,6 +320,12 @@ def worker_entry(cfg: Dict[str, Any]) -> None:
     from .worker import main
 
     main(cfg)
+
+
+#: seconds a whole shutdown may take by default (a stop with a timeout takes what is left of it)
+SHUTDOWN_S = 7.5
+#: seconds the ranks of a start that failed get to be reaped once killed
+FAILED_START_S = 5.0
 
 
 def threads_per_rank(opts: Dict[str, Any]) -> Optional[int]:

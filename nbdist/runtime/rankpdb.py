@@ -21,12 +21,16 @@ thread (nothing can prompt there) tells the rank to continue, which says so in i
 """
 from __future__ import annotations
 
+import _thread
 import io
 import pdb
+import signal
 import sys
 import threading
 import time
 from typing import Any, Dict, Optional
+
+from ..wire import locks
 
 PROMPT = "(Pdb) "
 BACKGROUND = "\x00background"  #: the notebook's answer where nothing can prompt: say so, continue
@@ -143,11 +147,11 @@ def answer(call, rs, rank: int, body: Dict[str, Any], interactive: bool) -> None
     call in the notebook's thread (``interactive``) shows what pdb printed, reads the command from
     the kernel's stdin and sends it; its deadline moves by the time the prompt was open. Any
     other call tells pdb to continue."""
-    if call.pauses is not None:
-        if call.outcome is None:
-            call.pauses.post(rank, body)
-            return
-        line = "q"  # the job is being stopped (job.interrupt(), stop()): leave pdb
+    if call.outcome is not None:  # the call is being ended (a timeout, an interrupt, a death,
+        line = "q"  # job.interrupt(), stop()): leave pdb; never a prompt in the middle of that
+    elif call.pauses is not None:
+        call.pauses.post(rank, body)
+        return
     elif interactive:
         line = _prompt(call, rank, body.get("text", ""))
     else:
@@ -167,6 +171,7 @@ def _prompt(call, rank: int, text: str) -> str:
               "while pdb is open (c continues, q ends the call).")
     sys.stdout.write(text)
     began = time.monotonic()
+    _PROMPTING[0] = call
     try:
         line = input(f"(Pdb rank {rank}) ")
     except EOFError:
@@ -175,9 +180,28 @@ def _prompt(call, rank: int, text: str) -> str:
         print(f"nbdist: rank {rank}'s pdb cannot prompt here ({type(err).__name__}: {err}); "
               "it continues.")
         line = "c"
+    finally:
+        _PROMPTING[0] = None
     if call.deadline is not None:
         call.deadline += time.monotonic() - began
     return line
+
+
+_PROMPTING: list = [None]  # the call whose pdb prompt waits for the user now (main thread only)
+
+
+def end_prompt(call) -> bool:
+    """(``stop()`` from another thread.) If ``call``'s pdb prompt waits for the user, end it as
+    Ctrl-C would -- SIGINT to the main thread, which holds the group meanwhile -- so that the call
+    ends and the group can be stopped; True if one waited."""
+    if call is None or _PROMPTING[0] is not call:
+        return False
+    kill = getattr(signal, "pthread_kill", None)
+    if kill is not None:  # a real signal: it wakes a read of the terminal, too
+        kill(threading.main_thread().ident, signal.SIGINT)
+    else:  # Windows: the kernel's input() polls, and sees it
+        _thread.interrupt_main()
+    return True
 
 
 class Pauses:
@@ -189,7 +213,7 @@ class Pauses:
     does not run (:meth:`hold`) and its stall watch looks for nothing. Its lock is a leaf."""
 
     def __init__(self, rs, seq: int):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(locks.make("pauses"))
         self._rs, self._seq = rs, seq
         self._prompts: Dict[int, Dict[str, str]] = {}
         self._ended = False

@@ -7,8 +7,10 @@ A rank's state has one owner: the :class:`Rank` itself. Every change is one of i
     starting --ready()--> idle --begin()--> busy --replied() / settled()--> idle
         any state --died()--> dead          any state but dead --stopped()--> stopped
 
-Who calls which (all on the thread that holds the group: the caller's, or a job's for its own
-call): the accept loop (:mod:`.ready`) ``connected()`` and ``ready()``; a call
+Who calls which -- once a rank belongs to a :class:`RankSet`, only the thread holding that set's
+``ranks`` lock (:attr:`RankSet.lock`: the caller's in a call, a job's while it waits for its own
+call, the teardown), which the test suite checks on every move: the accept loop (:mod:`.ready`)
+``connected()`` and ``ready()``; a call
 (:mod:`.calls`) ``begin()``, ``replied()``, ``settled()`` (a rank not reached by an interrupted
 send, or left after an interrupt) and ``died()``; the group's teardown (:meth:`RankSet.shutdown`)
 ``stopped()``; a failed reply ``failed()``; an attached group's next generation (:mod:`.generations`)
@@ -25,13 +27,14 @@ from __future__ import annotations
 
 import queue
 import selectors
-import time
 from typing import Any, Dict, Iterable, List, Optional
 
 from ..errors import ExitStatus
 from ..wire import locks, transport
+from ..wire.deadline import Deadline
 from ..wire.relay import OutputRelay
 from .processes import Process, select_exits, watch_exits
+from .reaper import reap_ranks
 from .stacks import StacksBox
 
 #: A rank's states, each with the states it may move to (the one state machine; see above).
@@ -57,6 +60,7 @@ class Rank:
         self.since: Optional[float] = None  #: when that call started (wall clock)
         self.last_error = ""  #: the last Python error the rank replied with
         self.generation = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
+        self._guard = None  # its rank set's ``ranks`` lock, once it belongs to one
 
     def __repr__(self) -> str:
         return f"<Rank {self.rank}: {self.state}{' ' + self.busy_with if self.busy_with else ''}>"
@@ -68,6 +72,8 @@ class Rank:
         return self._state
 
     def _move(self, to: str) -> None:
+        if self._guard is not None:  # the suite checks the threading model here
+            locks.require(self._guard, f"moved rank {self.rank} from {self._state!r} to {to!r}")
         if to not in MOVES[self._state]:
             raise RuntimeError(f"nbdist internal error: rank {self.rank} cannot go from "
                                f"{self._state!r} to {to!r}")
@@ -135,21 +141,6 @@ class Rank:
         return status
 
 
-def kill_all(ranks: Iterable[Rank], join: float = 5.0) -> None:
-    """SIGKILL every rank still running, reap them within ``join`` s (all of them together: a
-    rank on an unreachable host costs no more than one that exits), close their channels."""
-    ranks = list(ranks)
-    for r in ranks:
-        if r.exit_status is None:
-            r.process.kill()
-    deadline = time.monotonic() + join
-    for r in ranks:
-        r.process.join(max(0.0, deadline - time.monotonic()))
-        r.process.release()
-        if r.channel is not None:
-            r.channel.close()
-
-
 class RankSet:
     """The ranks of a running group as a call sees them: their control channels and sentinels in
     one selector, the lifelines, and the pooled result segments the caller gave back.
@@ -160,6 +151,14 @@ class RankSet:
     def __init__(self, ranks: List[Rank], relay: OutputRelay, ends_survivors: bool = False):
         self.ranks = ranks
         self.relay = relay
+        #: held by the one thread that reads the ranks' channels and moves their states (a call's,
+        #: a job's while it waits, the teardown): :data:`nbdist.wire.locks.ORDER`'s ``ranks``
+        self.lock = locks.make("ranks", reentrant=True)
+        #: the teardown could not take :attr:`lock` in time: it killed the processes and left the
+        #: rest (reaping, closing) to the thread that holds it (:meth:`retire`)
+        self.orphaned = False
+        for r in ranks:
+            r._guard = self.lock
         self._freed: Dict[int, "queue.SimpleQueue[str]"] = {r.rank: queue.SimpleQueue()
                                                             for r in ranks}
         self.aborted: List[int] = []  #: remote ranks told to exit because the group failed
@@ -251,9 +250,28 @@ class RankSet:
                     self.aborted.append(r.rank)
             return sorted(self.aborted)
 
-    def shutdown(self, wait: float = 2.0) -> None:
+    def shutdown(self, deadline: Deadline) -> List[int]:
         """Ask the idle ranks to stop (they destroy their process group and exit), kill the
-        others, reap every process within ``wait`` seconds (killing stragglers), close all."""
+        others, reap every process by ``deadline`` -- those asked get up to :data:`ASKED_S` s of
+        it to exit cleanly, then are killed too -- and close all (:mod:`.reaper`). Returns the
+        ranks whose process could not be confirmed gone (a host that does not answer)."""
+        if not self.lock.acquire(timeout=deadline.left() if deadline.at is not None else -1):
+            self.orphaned = True  # another thread still reads the channels: kill, leave the rest
+            self.kill(r.rank for r in self.ranks)
+            return [r.rank for r in self.ranks]  # none reaped: that thread does it
+        try:
+            return self._shutdown(deadline)
+        finally:
+            self.lock.release()
+
+    def retire(self) -> None:
+        """(The thread that held :attr:`lock` when the teardown came.) Finish what the teardown
+        left: reap, close (:meth:`shutdown`), if it was :attr:`orphaned`."""
+        if self.orphaned:
+            self.orphaned = False
+            self.shutdown(Deadline(ASKED_S + STREAMS_S))
+
+    def _shutdown(self, deadline: Deadline) -> List[int]:
         stop_msg = transport.encode(("stop", 0, None))
         torn = False
         for r in self.ranks:
@@ -269,13 +287,16 @@ class RankSet:
                 r.process.kill()
         if torn and self.ends_survivors:
             self.abort_remote()  # not a clean stop: the launcher must not wait for the others
-        deadline = time.monotonic() + wait
+        asked = Deadline.earliest(deadline, Deadline(ASKED_S))
+        left = reap_ranks(self.ranks, deadline, asked=asked, relay=self.relay,
+                          streams_s=STREAMS_S)  # the last lines, all ranks together
         for r in self.ranks:
-            if r.exit_status is None:
-                r.process.join(max(0.0, deadline - time.monotonic()))
-        kill_all(self.ranks)
-        deadline = time.monotonic() + 0.5  # the last lines of every rank, all ranks together
-        for r in self.ranks:
-            self.relay.wait_closed(r.rank, max(0.0, deadline - time.monotonic()))
             r.stopped()
         self._sel.close()
+        return left
+
+
+#: seconds the ranks asked to stop get to exit cleanly before they are killed
+ASKED_S = 2.0
+#: seconds the last lines of every rank get, all ranks together, once their processes ended
+STREAMS_S = 0.5

@@ -23,22 +23,30 @@ Spares end with the process that started them: closing the pipe ends a waiting s
 that dies closes it too), and :func:`close` (at interpreter exit, on kernel shutdown, or by hand)
 kills and reaps them all.
 
-Threads: :func:`take` and :func:`top_up` run on the thread starting a group (the caller's, holding
-the group's lock) or the prewarm thread; the pool's own lock is a leaf (nothing is taken under it,
-processes are spawned outside it).
+Threads: :func:`take` runs on the thread starting a group (the caller's, holding the group's
+lock); :func:`top_up` on a prewarm thread (``nbdist-prewarm``: at ``%load_ext nbdist``, and after
+each spawn start -- never under the group's lock). The pool's own lock (``spares`` in
+:data:`nbdist.wire.locks.ORDER`) is a leaf: it guards the list, the spawns in flight and the
+epoch; nothing is spawned, reaped or locked under it. A :func:`close` (at exit: for good) makes
+every spawn then in flight discard its spare, and waits for them.
 """
 from __future__ import annotations
 
 import atexit
 import contextlib
 import multiprocessing as mp
+import multiprocessing.util  # noqa: F401 -- its exit handler first (see close's atexit below)
 import os
 import sys
 import threading
 import time
 from typing import Any, Dict, List, Optional
 
+from ..wire import locks
+from ..wire.deadline import Deadline, poll_until
 from .forkserver import main_hidden, sigint_held
+from .processes import LocalProcess
+from .reaper import reap
 
 #: the environment variable that sets how many spares to keep (``0``: none)
 ENV_VAR = "NBDIST_SPARES"
@@ -75,22 +83,25 @@ class Spare:
         return self.process
 
     def discard(self) -> None:
-        """End the spare and reap it."""
+        """End the spare and reap it (:mod:`.reaper`)."""
         with contextlib.suppress(OSError):
             self.conn.close()
-        with contextlib.suppress(OSError, ValueError, AttributeError):
-            self.process.kill()
-            self.process.join(5.0)
-            self.process.close()
+        with contextlib.suppress(ValueError):  # closed already: reaped before
+            reap([LocalProcess(self.process)], Deadline(DISCARD_S))
+
+
+#: seconds a discarded spare gets to be reaped once killed
+DISCARD_S = 5.0
 
 
 class _Pool:
-    lock = threading.Lock()  # a leaf: guards the list and the count only
-    filling = threading.Lock()  # one top-up at a time (it takes ``lock`` and the __main__ swap)
+    #: guards the list, the spawns in flight and the epoch; nothing is spawned or reaped under it
+    lock = threading.Condition(locks.make("spares", module_level=True))
     spares: List[Spare] = []
+    starting: List[Any] = []  # processes being spawned (not kept yet), for pids()
     wanted: Optional[int] = None  # the last spawn start's world size
-    closing = False
-    registered = False
+    epoch = 0  # close() moves it on: a spawn begun before a close keeps nothing
+    final = False  # closed at interpreter exit: nothing is spawned any more
 
 
 def target() -> int:
@@ -125,50 +136,59 @@ def take(n: int) -> List[Spare]:
 
 
 def top_up() -> int:
-    """Spawn spares until :func:`target` are kept; how many were started. Never raises for a spare
-    that fails to start: the next start spawns its ranks fresh. One top-up at a time."""
+    """Spawn spares until :func:`target` are kept (or being spawned); how many were started.
+    Never raises for a spare that fails to start: the next start spawns its ranks fresh. Several
+    top-ups at once share the work (each spawn is counted before it starts); one that a
+    :func:`close` overtook keeps nothing."""
     try:
         want = target()
     except ValueError:  # a bad NBDIST_SPARES: the next start says so
         return 0
-    with _Pool.filling:
-        return _fill(want)
-
-
-def _fill(want: int) -> int:
     ctx = mp.get_context("spawn")
     started = 0
-    while not _Pool.closing:
+    while True:
         with _Pool.lock:
-            if len(_Pool.spares) >= want:
-                break
-        ours, theirs = ctx.Pipe()
-        process = ctx.Process(target=spare_main, args=(theirs,), name="nbdist-spare")
+            if _Pool.final or len(_Pool.spares) + len(_Pool.starting) >= want:
+                return started
+            epoch = _Pool.epoch
+            ours, theirs = ctx.Pipe()
+            process = ctx.Process(target=spare_main, args=(theirs,), name="nbdist-spare")
+            _Pool.starting.append(process)
+        spare = None
         try:
-            with sigint_held(), main_hidden():
-                process.start()
-        except (OSError, RuntimeError):
-            with contextlib.suppress(OSError):
-                ours.close()
-                theirs.close()
-            break
-        theirs.close()  # the spare has its own copy now
-        spare = Spare(process, ours)
-        with _Pool.lock:
-            keep = not _Pool.closing
-            if keep:
-                _Pool.spares.append(spare)
-                _register_close()
-        if not keep:
-            spare.discard()
-            break
+            spare = _spawn(process, ours, theirs)
+        finally:
+            with _Pool.lock:
+                _Pool.starting.remove(process)
+                keep = spare is not None and epoch == _Pool.epoch and not _Pool.final
+                if keep:
+                    _Pool.spares.append(spare)
+                _Pool.lock.notify_all()
+        if not keep:  # failed to start, or a close() came meanwhile: it is not ours to keep
+            if spare is not None:
+                spare.discard()
+            return started
         started += 1
-    return started
+
+
+def _spawn(process, ours, theirs) -> Optional[Spare]:
+    """Start one spare process (outside the pool's lock); ``None`` if it could not start."""
+    try:
+        with sigint_held(), main_hidden():
+            process.start()
+    except (OSError, RuntimeError):
+        with contextlib.suppress(OSError):
+            ours.close()
+            theirs.close()
+        return None
+    theirs.close()  # the spare has its own copy now
+    return Spare(process, ours)
 
 
 def warm(background: bool = True) -> Optional[threading.Thread]:
     """Top the spares up (:func:`top_up`), in a background thread (returned) unless told not to:
-    what ``%load_ext nbdist`` does where workers are spawned."""
+    what ``%load_ext nbdist`` does where workers are spawned, and a spawn start right after it
+    took its spares."""
     if not background:
         top_up()
         return None
@@ -177,41 +197,51 @@ def warm(background: bool = True) -> Optional[threading.Thread]:
     return thread
 
 
+def settle(timeout: float) -> bool:
+    """Wait up to ``timeout`` s until no spare is being spawned; True if none is."""
+    with _Pool.lock:
+        return _Pool.lock.wait_for(lambda: not _Pool.starting, timeout)
+
+
 def pids() -> List[int]:
     """The process ids of the spares kept now."""
     with _Pool.lock:
-        return [s.process.pid for s in _Pool.spares]
+        return [s.process.pid for s in _Pool.spares] + \
+            [p.pid for p in _Pool.starting if p.pid is not None]
 
 
 def ready(timeout: float = 0.0) -> int:
     """How many of the spares kept now have imported torch, waiting up to ``timeout`` s for all
     of them (a benchmark or a test waits; a start never does)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        with _Pool.lock:
-            kept = list(_Pool.spares)
-        done = sum(s.ready() for s in kept)
-        if done == len(kept) or time.monotonic() >= deadline:
-            return done
-        time.sleep(0.05)
+    with _Pool.lock:
+        kept = list(_Pool.spares)
+    poll_until(lambda: all(s.ready() for s in kept), lambda left: time.sleep(min(left, 0.05)),
+               Deadline(timeout))
+    return sum(s.ready() for s in kept)
 
 
-def close() -> None:
-    """Kill and reap every spare (a later spawn start tops them up again)."""
+def close(final: bool = False) -> None:
+    """Kill and reap every spare (a later spawn start tops them up again; not after ``final``,
+    what interpreter exit does). A spawn in flight keeps nothing: it is waited for (up to
+    :data:`CLOSE_WAIT_S` s) and reaped too -- a spare left behind is a non-daemon child that
+    multiprocessing would wait for at exit, forever."""
     with _Pool.lock:
         spares, _Pool.spares = _Pool.spares, []
-        _Pool.closing = True
-    try:
-        for spare in spares:
-            spare.discard()
-    finally:
-        _Pool.closing = False
+        _Pool.epoch += 1
+        _Pool.final = _Pool.final or final
+        _Pool.lock.wait_for(lambda: not _Pool.starting, CLOSE_WAIT_S)  # they discard their own
+    for spare in spares:
+        spare.discard()
 
 
-def _register_close() -> None:
-    if not _Pool.registered:
-        _Pool.registered = True
-        atexit.register(close)
+#: how long :func:`close` waits for spares being spawned (each spawn takes well under a second)
+CLOSE_WAIT_S = 10.0
+
+
+# At exit, close() runs before multiprocessing's own exit handler, which waits for every
+# non-daemon child -- a spare still kept would hold it forever. (atexit runs the last registered
+# first: multiprocessing.util registers its handler when imported, above.)
+atexit.register(close, final=True)
 
 
 def spare_main(conn) -> None:

@@ -24,6 +24,8 @@ import traceback
 from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 from ..errors import ranks_phrase
+from ..wire import locks
+from ..wire.deadline import Deadline, poll_until
 from . import reader, recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
@@ -87,7 +89,7 @@ class StacksBox:
     posts (the one reading the rank's channel); the asker waits. Its lock is a leaf."""
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
+        self._cond = threading.Condition(locks.make("stacks"))
         self._got: Dict[Tuple[int, int], Dict[str, Any]] = {}
 
     def post(self, n: int, rank: int, body: Dict[str, Any]) -> None:
@@ -135,11 +137,10 @@ def collect(rs, n: int, asked: List[int], timeout: float, read: bool) -> Dict[in
     (:mod:`.reader`: whatever else comes is handled as any reader would); otherwise the thread
     waiting on the running call reads them and posts to the box. Either way the box says who
     answered -- answers another thread read before this one took the channels included."""
-    deadline = time.monotonic() + timeout
     if read:
         idle = reader.Waiter()  # no call: late replies go back, a rank lost is left alone
-        while _unanswered(rs, n, asked, idle.dead) and time.monotonic() < deadline:
-            reader.read(rs, max(0.0, deadline - time.monotonic()), idle)
+        poll_until(lambda: not _unanswered(rs, n, asked, idle.dead),
+                   lambda left: reader.read(rs, left, idle), Deadline(timeout))
     else:
         rs.stacks.wait(n, asked, timeout)
     return rs.stacks.take(n, asked)
@@ -231,10 +232,9 @@ def at_timeout(call, rs, waiting: List[int], world_size: int) -> Optional["Stack
     (the caller's thread reads the channels: :meth:`Call.poll <nbdist.runtime.calls.Call.poll>`
     posts each answer). ``None`` if no rank answered."""
     n, asked = ask(rs, waiting)
-    deadline = time.monotonic() + AT_TIMEOUT_S
     try:
-        while _unanswered(rs, n, asked, call.dead) and time.monotonic() < deadline:
-            call.poll(rs, max(0.0, deadline - time.monotonic()))
+        poll_until(lambda: not _unanswered(rs, n, asked, call.dead),
+                   lambda left: call.poll(rs, left), Deadline(AT_TIMEOUT_S))
     except KeyboardInterrupt:
         pass  # interrupted while waiting: report what came
     got = rs.stacks.take(n, asked)

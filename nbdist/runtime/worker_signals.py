@@ -28,6 +28,8 @@ import threading
 import time
 from typing import Optional
 
+from ..wire import locks
+
 
 def ignore_sigint(signum, frame):
     """SIGINT outside user code (while talking to the controller) is ignored: no torn messages."""
@@ -54,7 +56,7 @@ def sigint_to_user(handler=signal.default_int_handler) -> None:
     _signal.signal(_signal.SIGINT, handler)
 
 
-_RAISING = threading.Lock()  # one raise_signal at a time: Windows' C runtime resets SIGINT's
+_RAISING = locks.make("raising", module_level=True)  # one raise_signal at a time: Windows' C runtime resets SIGINT's
 # handler to SIG_DFL while it runs it (CPython's handler puts itself back), and a second SIGINT
 # raised in between would end the process
 

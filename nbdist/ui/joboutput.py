@@ -20,6 +20,8 @@ import threading
 import time
 import weakref
 
+from ..wire import locks
+
 MAX_LINES = 500  #: lines the display keeps (the latest); ``job.output`` keeps every rank's
 EVERY = 0.2  #: at most this often (seconds) the display is sent again while lines keep coming
 
@@ -33,7 +35,7 @@ class JobOutput:
         self.name = name
         self._lines: "collections.deque[tuple]" = collections.deque(maxlen=MAX_LINES)
         self._count = 0
-        self._lock = threading.Lock()
+        self._lock = locks.make("display")
         self._sent = 0.0
         self._timer = None
         self._context = contextvars.copy_context()  # the cell that started the job

@@ -17,15 +17,26 @@ import threading
 import traceback
 from typing import List, Tuple
 
-#: Outermost first. ``group``: a group's call/lifecycle lock (held from send to settle);
-#: ``generations``: an attached group's next-generation hand-over; ``relay``: an output relay's
-#: buffers (its sink and lifeline hook run under it); ``abort``: an attached group's abort of its
-#: remote ranks; ``output``: the output router's folder; ``sink``: the queue of lines for the
-#: user's ``output=`` sink (its thread calls the sink outside it); ``metrics``: a call's logged rows;
-#: ``lifeline`` and ``channel``: one writer at a time on a rank's command and control sockets;
-#: ``pool``: the pooled-segment release hooks (taken from finalizers: must stay innermost).
-ORDER: Tuple[str, ...] = ("group", "generations", "relay", "abort", "output", "sink",
-                          "metrics", "lifeline", "channel", "pool")
+#: Outermost first. ``panel``: a launcher panel's refresh (it reads ``status()``, which takes a
+#: job's ``metrics``); ``group``: a group's call/lifecycle lock (held from send to settle);
+#: ``ranks``: a running group's rank set -- whoever holds it reads the ranks' control channels and
+#: moves their states (the caller's thread in a call, under ``group``; a job's thread while it
+#: waits, without ``group``; the teardown) -- :meth:`RankSet.shutdown
+#: <nbdist.runtime.ranks.RankSet.shutdown>` takes it, so the ranks are never shut down under a
+#: thread that reads them; ``generations``: an attached group's next-generation hand-over;
+#: ``relay``: an output relay's buffers (its sink and lifeline hook run under it); ``abort``: an
+#: attached group's abort of its remote ranks; ``output``: the output router's folder;
+#: ``display``: a job output display (the router shows a job's lines under ``output``);
+#: ``sink``: the queue of lines for the user's ``output=`` sink (its thread calls the sink outside
+#: it); ``metrics``: a call's logged rows; ``lifeline`` and ``channel``: one writer at a time on a
+#: rank's command and control sockets. Then the leaves, under which nothing else is taken:
+#: ``pauses`` (a job's ranks at a breakpoint), ``stacks`` (the ranks' stack answers),
+#: ``spares`` (the warm spares' list), ``main`` (the ``__main__`` swap while a process spawns),
+#: ``raising`` (a rank's SIGINT raised on Windows); last ``pool``: the pooled-segment release
+#: hooks (taken from finalizers, which may run under any lock: must stay innermost).
+ORDER: Tuple[str, ...] = ("panel", "group", "ranks", "generations", "relay", "abort", "output",
+                          "display", "sink", "metrics", "lifeline", "channel", "pauses",
+                          "stacks", "spares", "main", "raising", "pool")
 #: Names of which two different locks may nest: a generation's relay hands its streams to the
 #: group's relay (``OutputRelay.move_to``) holding its own lock; the group's never takes another.
 NESTABLE = frozenset({"relay"})
@@ -55,14 +66,28 @@ def violations(clear: bool = False) -> List[str]:
     return seen
 
 
-def make(name: str, reentrant: bool = False):
+def make(name: str, reentrant: bool = False, module_level: bool = False):
     """A lock named ``name`` (one of :data:`ORDER`): plain when not checking, checked when the
-    suite asked (:func:`check`)."""
+    suite asked (:func:`check`). ``module_level``: a lock made at import time, before the suite
+    could ask -- always an :class:`OrderedLock`, which checks whenever the suite asks."""
     if name not in ORDER:
         raise ValueError(f"unknown lock name {name!r}; the order knows {list(ORDER)}")
-    if not _checking:
+    if not _checking and not module_level:
         return threading.RLock() if reentrant else threading.Lock()
     return OrderedLock(name, reentrant)
+
+
+def require(lock, what: str) -> None:
+    """While checking (:func:`check`): record and raise :class:`LockOrderError` unless this
+    thread holds ``lock`` -- the threading model says ``what`` happens only under it. (Plain locks
+    cannot tell who holds them: nothing is checked then.)"""
+    if not _checking or not isinstance(lock, OrderedLock) or lock._is_owned():
+        return
+    where = "".join(traceback.format_stack(limit=8)[:-2])
+    text = (f"thread {threading.current_thread().name!r} {what} without holding lock "
+            f"{lock.name!r}, which the threading model (nbdist.runtime) says it needs\n{where}")
+    _violations.append(text)
+    raise LockOrderError(text)
 
 
 class OrderedLock:
@@ -97,8 +122,9 @@ class OrderedLock:
                 raise LockOrderError(text)
 
     def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
-        """As ``threading.Lock.acquire``, after checking the order."""
-        self._check_order()
+        """As ``threading.Lock.acquire``, after checking the order (while the suite checks)."""
+        if _checking:
+            self._check_order()
         got = self._inner.acquire(blocking, timeout)
         if got:
             self._stack().append(self)
@@ -135,7 +161,8 @@ class OrderedLock:
 
     def _acquire_restore(self, saved) -> None:
         count, state = saved
-        self._check_order()
+        if _checking:
+            self._check_order()
         if self.reentrant:
             self._inner._acquire_restore(state)
         else:

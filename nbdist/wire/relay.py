@@ -30,6 +30,7 @@ import time
 from typing import Callable, Deque, Dict, Optional, Tuple
 
 from . import locks
+from .deadline import Deadline, poll_until
 from .seal import REFUSED_BY_US, FrameReader, IntegrityError, Seal
 from .transport import UNANSWERED
 
@@ -39,6 +40,8 @@ TAIL_LINES = 40
 #: The exit code of a worker told to abort (its group failed): non-zero, so that torchrun/srun end
 #: (or restart) the job instead of waiting for it; distinct from a crash or the lost-controller 70.
 ABORT_EXIT_CODE = 75
+#: seconds a drain waits for the output frames a protected rank said it sent before its reply
+EXPECTED_S = 2.0
 
 
 def default_sink(rank: int, stream: str, text: str) -> None:
@@ -196,14 +199,14 @@ class OutputRelay:
     def wait_closed(self, rank: int, timeout: float) -> bool:
         """Wait up to ``timeout`` s (both streams together) until both streams of ``rank`` reached
         EOF (the process is gone); True if so."""
-        deadline = time.monotonic() + timeout
-        self.drain()
+        deadline = Deadline(timeout)  # one clock for the drains and the waits
+        self.drain(wait=deadline.left())
         ok = True
         for stream in ("stdout", "stderr"):
             event = self._eof.get((rank, stream))
             if event is not None:
-                ok = event.wait(max(0.0, deadline - time.monotonic())) and ok
-        self.drain()
+                ok = event.wait(deadline.left()) and ok
+        self.drain(wait=deadline.left())
         return ok
 
     def expect(self, rank: int, sent: Dict[str, int]) -> None:
@@ -213,21 +216,22 @@ class OutputRelay:
             for stream, count in sent.items():
                 self._expected[(rank, stream)] = int(count)
 
-    def _await_expected(self, timeout: float = 2.0) -> None:
+    def _await_expected(self, wait: float) -> None:
         if threading.current_thread() is self._thread:
             return  # the relay thread itself reads them
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            with self._lock:
-                if all(self._got.get(k, 0) >= n or self._eof[k].is_set()
-                       for k, n in self._expected.items() if k in self._eof):
-                    return
-            time.sleep(0.001)
 
-    def drain(self, flush_partial: bool = False) -> None:
+        def arrived() -> bool:
+            with self._lock:
+                return all(self._got.get(k, 0) >= n or self._eof[k].is_set()
+                           for k, n in self._expected.items() if k in self._eof)
+
+        poll_until(arrived, lambda _: time.sleep(0.001), Deadline(wait))
+
+    def drain(self, flush_partial: bool = False, wait: float = EXPECTED_S) -> None:
         """Relay, on this thread, everything that has already arrived on any stream (and, of a
-        protected rank, every output frame it said it sent before its reply)."""
-        self._await_expected()
+        protected rank, every output frame it said it sent before its reply: up to ``wait`` s
+        for them)."""
+        self._await_expected(wait)
         with self._lock:
             if self._closed:
                 return  # closed: every stream was read to its end or closed

@@ -234,13 +234,21 @@ class Channel:
         self.seal = seal
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._send_lock = locks.make("channel")
-        self.torn = False  # True while a message is half sent or half read (an interrupt hit)
+        # a message half sent, half read (an interrupt hit): one flag per direction, as a
+        # debugger's thread may send while another thread reads
+        self._half_sent = self._half_read = False
         self.sent = 0  #: messages sent whole (an interrupt after the last byte still counts it)
         #: why the connection was given up ("" while it is fine): a protected message failed its
         #: check, the peer's host stopped answering (:data:`UNANSWERED`), or a message stalled
         self.failure = ""
         self.peer_silent = False  #: the failure is the peer's silence (its host is gone)
         self.stall = MESSAGE_STALL  #: s without a byte halfway through a message
+
+    @property
+    def torn(self) -> bool:
+        """True while a message is half sent or half read (an interrupt hit it there): the
+        channel cannot carry another one."""
+        return self._half_sent or self._half_read
 
     def fileno(self) -> int:
         """The socket's file descriptor (so channels can be passed to ``select``)."""
@@ -249,7 +257,7 @@ class Channel:
     def send_bytes(self, data: bytes) -> None:
         """Send one framed message whose body is ``data``."""
         with self._send_lock, self._noting_silence():
-            self.torn = True
+            self._half_sent = True
             if self.seal is not None:
                 head, tail = self.seal.wrap(data)
                 if len(data) < 65536:
@@ -264,12 +272,12 @@ class Channel:
                 self.sock.sendall(_HEADER.pack(len(data)))
                 self.sock.sendall(data)
             self.sent += 1
-            self.torn = False
+            self._half_sent = False
 
     def recv_bytes(self) -> bytes:
         """Receive one framed message body (raises ``ConnectionError`` on EOF). Waits as long as
         it takes for a message to begin; once it has, :attr:`stall` bounds each pause."""
-        self.torn = True
+        self._half_read = True
         begun = []
 
         def read(sock, n):
@@ -287,7 +295,7 @@ class Channel:
             else:
                 (size,) = _HEADER.unpack(read(self.sock, _HEADER.size))
                 data = read(self.sock, size)
-        self.torn = False
+        self._half_read = False
         return data
 
     @contextlib.contextmanager

@@ -5,6 +5,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 
 import psutil
 import pytest
@@ -26,6 +27,7 @@ def fresh_pool(monkeypatch):
 
 def test_a_spawn_start_keeps_spares_that_the_restart_takes(fresh_pool, tmp_path, monkeypatch):
     with nbdist.start(2, start_method="spawn", timeout=60) as g:
+        assert spares.settle(120)  # topped up in the background, not under the group's lock
         kept = spares.pids()
         assert len(kept) == 2 and set(kept).isdisjoint(g.run(os.getpid))
         for pid in kept:  # the caller's own children, waiting for a config
@@ -46,6 +48,7 @@ def test_a_spawn_start_keeps_spares_that_the_restart_takes(fresh_pool, tmp_path,
         g.exec("import torch, torch.distributed as dist\n"
                "x = torch.ones(3) * (dist.get_rank() + 1)\ndist.all_reduce(x)")
         assert [t.tolist() for t in g.exec("x")] == [[3.0] * 3] * 2
+        assert spares.settle(120)
         assert len(spares.pids()) == 2 and set(spares.pids()).isdisjoint(kept)
 
 
@@ -68,6 +71,7 @@ def test_larger_starts_take_what_is_kept_and_spawn_the_rest(fresh_pool, monkeypa
     (kept,) = spares.pids()
     with nbdist.start(3, start_method="spawn", timeout=60) as g:
         assert kept in g.run(os.getpid)
+        assert spares.settle(120)
         assert len(spares.pids()) == 1  # NBDIST_SPARES, not the world size
 
 
@@ -120,3 +124,79 @@ def test_spares_end_with_the_process_that_kept_them(tmp_path):
             except psutil.TimeoutExpired:
                 proc.kill()
                 pytest.fail(f"spare {pid} outlived its parent ({how})")
+
+
+# ---- issue 34, risk 5: spares never hold the kernel's exit --------------------------------------
+LIVENESS = 60.0
+
+
+class _Held:
+    """Holds the first spare spawned right after its process started, before the pool keeps it
+    (where a top-up on the prewarm thread is when close() comes)."""
+
+    def __init__(self, monkeypatch):
+        self.started, self.go = threading.Event(), threading.Event()
+        real, held = spares.Spare, self
+
+        class Held(real):
+            def __init__(self, process, conn):
+                super().__init__(process, conn)
+                if not held.started.is_set():
+                    held.pid = process.pid
+                    held.started.set()
+                    held.go.wait(LIVENESS)
+
+        monkeypatch.setattr(spares, "Spare", Held)
+
+
+def test_a_close_while_a_top_up_spawns_keeps_no_spare(fresh_pool, monkeypatch):
+    """Was: close() set ``closing`` and reset it at once; a top-up still spawning on the prewarm
+    thread then kept its spare and spawned more -- non-daemon children nobody closes."""
+    held = _Held(monkeypatch)
+    monkeypatch.setenv(spares.ENV_VAR, "2")
+    epoch = getattr(spares._Pool, "epoch", 0)
+    filler = spares.warm()  # the prewarm thread
+    assert held.started.wait(LIVENESS)
+    closer = threading.Thread(target=spares.close)
+    closer.start()
+    # close() has come: it returned (as it did), or it waits for the spawn in flight
+    while closer.is_alive() and getattr(spares._Pool, "epoch", 0) == epoch:
+        closer.join(0.01)
+    held.go.set()
+    closer.join(LIVENESS)
+    filler.join(LIVENESS)
+    assert not closer.is_alive() and not filler.is_alive()
+    assert spares.pids() == []
+    assert not psutil.pid_exists(held.pid)  # the spare in flight was reaped, not kept
+
+
+EXIT_WHILE_FILLING = textwrap.dedent("""
+    import atexit, threading
+    from nbdist.runtime import spares
+    started, go = threading.Event(), threading.Event()
+    class Held(spares.Spare):
+        def __init__(self, process, conn):
+            super().__init__(process, conn)
+            if not started.is_set():
+                started.set()
+                go.wait(60)
+    spares.Spare = Held
+    spares.warm()  # %load_ext nbdist
+    started.wait(60)
+    atexit.register(go.set)  # the top-up goes on while the interpreter exits
+    print("exiting", flush=True)
+""")
+
+
+def test_the_interpreter_exits_while_a_top_up_spawns(tmp_path):
+    """Was: the exit hung for good -- the top-up went on after the exit's close(), and
+    multiprocessing's exit handler waited for its non-daemon spares."""
+    p = subprocess.Popen([sys.executable, "-c", EXIT_WHILE_FILLING], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=dict(os.environ, NBDIST_SPARES="2"))
+    try:
+        out, err = p.communicate(timeout=LIVENESS)
+    except subprocess.TimeoutExpired:
+        p.kill()  # its spares end as their pipe closes
+        out, err = p.communicate()
+        pytest.fail(f"the interpreter did not exit while spares were topped up: {out!r} {err!r}")
+    assert p.returncode == 0 and out == "exiting\n", err

@@ -13,7 +13,7 @@ import signal
 import pytest
 
 import nbdist
-from nbdist.runtime import launcher, processes, ranks
+from nbdist.runtime import launcher, processes, reaper
 from nbdist.wire import relay, segments
 
 pytestmark = pytest.mark.timeout(120)
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.timeout(120)
 #: where a teardown can be interrupted: (object, attribute) of the step
 POINTS = {
     "reaping the ranks": (processes.LocalProcess, "join"),
-    "killing stragglers": (ranks, "kill_all"),
+    "killing stragglers": (reaper, "reap"),
     "showing the last output": (relay.OutputRelay, "drain"),
     "closing the output relay": (relay.OutputRelay, "close"),
     "removing result segments": (segments, "remove_segments"),

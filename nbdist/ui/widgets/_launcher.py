@@ -15,6 +15,7 @@ from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
 from ...runtime.launcher import restart_refusal
 from ...runtime.status import GroupStatus
+from ...wire import locks
 from ._common import Panel, backend_options, device_options, reasons_html
 from ._meshes import mesh_note, strategy_options
 
@@ -111,7 +112,7 @@ class Launcher(Panel):
             self._table,
             self._feedback,
         ]
-        self._lock = threading.Lock()
+        self._lock = locks.make("panel")
         self._last_table = ""  # the table of the last refresh that worked
         self._closed = threading.Event()
         self.refresh()
