@@ -32,7 +32,7 @@ from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteE
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
 from ..wire.relay import ABORT_EXIT_CODE
-from . import rankpdb, stacks
+from . import cells, rankpdb, stacks
 from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
@@ -48,6 +48,8 @@ class Call:
                  timeout: Optional[float], what: str):
         self.seq, self.targets, self.timeout, self.what = seq, list(targets), timeout, what
         self.msg = transport.encode((kind, seq, payload))
+        #: the text of the notebook cells its code comes from, sent first to a rank that lacks it
+        self.cells: Dict[str, str] = {}
         self.deadline: Optional[float] = None
         self.started: Optional[float] = None
         self.pending: set = set()
@@ -95,6 +97,7 @@ class Call:
                     freed = rs.take_freed(r)
                     if freed:
                         rank.channel.send_bytes(transport.encode(("free", 0, freed)))
+                    cells.send_missing(rank, self.cells)
                     before[r] = rank.channel.sent
                     rank.channel.send_bytes(self.msg)
                 except OSError:

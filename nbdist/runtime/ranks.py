@@ -57,6 +57,7 @@ class Rank:
         self.since: Optional[float] = None  #: when that call started (wall clock)
         self.last_error = ""  #: the last Python error the rank replied with
         self.generation = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
+        self.cells: Dict[str, str] = {}  #: the notebook cells' texts sent to it (:mod:`.cells`)
 
     def __repr__(self) -> str:
         return f"<Rank {self.rank}: {self.state}{' ' + self.busy_with if self.busy_with else ''}>"

@@ -11,7 +11,6 @@ import ast
 import bdb
 import ctypes
 import importlib
-import linecache
 import os
 import re
 import signal
@@ -19,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import types
 from datetime import timedelta
 from typing import Any, Dict, Optional
@@ -32,7 +30,7 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
+from . import cells, imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -195,15 +193,19 @@ class _Worker:
         return fn
 
     def do_exec(self, payload):
-        source, filename = payload
+        # source, the name it runs under, where it starts in its cell (lines, columns), and
+        # whether its text is its own (else the cell's came in a "src" message: cells.register)
+        source, filename, lines, columns, own = payload
         tree = ast.parse(source, filename, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        if own:
+            cells.register({filename: source})
+        cells.shift(tree, lines, columns)
         exec(compile(tree, filename, "exec"), self.ns)
         if last is not None:
-            return eval(compile(last, filename, "eval"), self.ns)
+            return eval(compile(cells.shift(last, lines, columns), filename, "eval"), self.ns)
         return None
 
     def do_push(self, payload: bytes):
@@ -234,6 +236,9 @@ class _Worker:
             if kind == "free":  # the caller released pooled result segments
                 if self.pool is not None:
                     self.pool.release(payload)
+                continue
+            if kind == "src":  # the text of notebook cells the next request's code comes from
+                cells.register(payload)
                 continue
             if kind == "pdb_cmd":  # the answer to a prompt pdb asked twice (an interrupt came
                 continue  # between its prompt and the read), after the call ended: dropped
@@ -295,11 +300,9 @@ class _Worker:
 
 
 def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
-    """Describe an exception for the caller: type, message, traceback without nbdist's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, serialize.__file__):
-        tb = tb.tb_next
-    formatted = text + "\n" if text else "".join(traceback.format_exception(type(exc), exc, tb))
+    """Describe an exception for the caller: type, message, traceback without nbdist's frames
+    (:func:`.cells.format_failure`)."""
+    formatted = text + "\n" if text else cells.format_failure(exc)
     try:
         blob = cloudpickle.dumps(exc)
     except Exception:  # noqa: BLE001 -- the exception itself may not be picklable
