@@ -32,7 +32,7 @@ from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteE
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
 from ..wire.relay import ABORT_EXIT_CODE
-from . import cells, rankpdb, stacks
+from . import cells, rankpdb, recorder, stacks
 from .metrics import Metrics
 from .ranks import RankSet
 from .ready import failure_from
@@ -360,11 +360,15 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
             call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
         failure.where = rs[r].process.where
+    seen = recorder.failed_in({r: call.replies[r][1].get("collective") for r in failures
+                               if isinstance(call.replies[r][1], dict)})
     if failures and dead_group:
         advice = _dead_group_advice(call, rs, world_size, auto_restart)
-        return Verdict(error=RemoteError(failures, results, world_size, advice), broken=True)
+        return Verdict(error=RemoteError(failures, results, world_size, advice, seen),
+                       broken=True)
     if failures:
-        return Verdict(error=RemoteError(failures, results, world_size, _gone_advice(gone)))
+        return Verdict(error=RemoteError(failures, results, world_size, _gone_advice(gone),
+                                         seen))
     return Verdict(results=results)
 
 

@@ -309,7 +309,7 @@ def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
         blob = None
     return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
             "traceback": formatted, "time": time.time(), "exception": blob,
-            "pg_failed": process_group_failed(exc)}
+            "pg_failed": process_group_failed(exc), "collective": recorder.raised()}
 
 
 # gloo's transport errors: a pair that timed out or failed is closed for good (FACTS-TORCH.md
