@@ -14,12 +14,13 @@ path and line.
 
 Kernel side: :class:`Naming` (a request's pickler names code with it), :func:`locate` (exec
 source in its cell), :func:`send_missing` (the texts a rank lacks, before a request).
-Rank side: :func:`register`, :func:`shift`, :func:`format_failure`.
+Rank side: :func:`register`, :func:`keep_names_in_pdb`, :func:`shift`, :func:`format_failure`.
 Both: :func:`place` and :func:`short`, a frame's place as people read it.
 """
 from __future__ import annotations
 
 import ast
+import bdb
 import linecache
 import os
 import re
@@ -125,6 +126,22 @@ def register(texts: Dict[str, str]) -> None:
     ``inspect`` and warnings read (an entry without a time is never dropped as stale)."""
     for name, text in texts.items():
         linecache.cache[name] = (len(text), None, text.splitlines(True), name)
+
+
+def keep_names_in_pdb() -> None:
+    """pdb (``bdb.Bdb.canonic``) makes every file name but ``<...>`` an absolute path, and would
+    look for ``/cwd/Cell In[5]`` on disk: a cell's name is kept as it is (once per process)."""
+    original = bdb.Bdb.canonic
+    if getattr(original, "nbdist_cells", False):
+        return
+
+    def canonic(self, filename):
+        if filename.startswith("Cell ") and filename in linecache.cache:
+            return filename
+        return original(self, filename)
+
+    canonic.nbdist_cells = True
+    bdb.Bdb.canonic = canonic
 
 
 def shift(tree: ast.AST, lines: int, columns: int) -> ast.AST:

@@ -147,6 +147,7 @@ class _Worker:
         self._guard_init()
         recorder.install(dist)  # the rank's last collectives, for the stall analysis
         rankpdb.install(self)  # breakpoint() and pdb.set_trace() prompt in the notebook
+        cells.keep_names_in_pdb()  # pdb on code from a cell finds the cell's lines
         for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
             module, _, name = hook.partition(":")
             getattr(importlib.import_module(module), name)()
