@@ -65,8 +65,9 @@ def push_request(values: Dict[str, Any], prefix: str) -> Request:
         if not is_variable_name(name):
             raise ValueError(f"push() names must be variable names, got {name!r}"
                              f"{keyword_note(name)}")
-    payload, segs = _pickle(values, "pushed value", prefix)
-    return Request("push", payload, f"push {', '.join(values)}", segs)
+    naming = cells.Naming()  # a function pushed from a cell keeps its cell's name too
+    payload, segs = _pickle(values, "pushed value", prefix, naming)
+    return Request("push", payload, f"push {', '.join(values)}", segs, naming.texts)
 
 
 def pull_request(names: Sequence[str]) -> Request:

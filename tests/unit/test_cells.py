@@ -10,7 +10,7 @@ import os
 
 import pytest
 
-from nbdist.runtime import cells, recorder
+from nbdist.runtime import cells, recorder, requests
 from nbdist.wire import serialize
 
 CELL = "/tmp/ipykernel_1/123.py"  # a file name as ipykernel gives a cell's code (no such file)
@@ -34,6 +34,14 @@ def test_code_from_a_cell_travels_under_its_cells_name(kernel_cell):
     data, _ = serialize.dumps(kernel_cell, code_names=naming)
     assert serialize.loads(data).__code__.co_filename == "Cell In[7]"
     assert naming.texts == {"Cell In[7]": SOURCE}  # what the ranks get once
+
+
+def test_a_request_carries_the_cells_text_beside_its_payload_not_in_it(kernel_cell):
+    req = requests.run_request(kernel_cell, (21,), {}, "/nonexistent/nbdist-test-")
+    assert req.cells == {"Cell In[7]": SOURCE}  # sent to a rank once (send_missing), not per call
+    assert b"if y > 10" not in req.payload  # the source itself
+    pushed = requests.push_request({"fn": kernel_cell}, "/nonexistent/nbdist-test-")
+    assert pushed.cells == {"Cell In[7]": SOURCE}
 
 
 def test_without_names_cloudpickle_writes_dynamic_code(kernel_cell):
