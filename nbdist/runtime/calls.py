@@ -360,15 +360,13 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
             call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
         failure.where = rs[r].process.where
-    seen = recorder.failed_in({r: call.replies[r][1].get("collective") for r in failures
-                               if isinstance(call.replies[r][1], dict)})
-    if failures and dead_group:
-        advice = _dead_group_advice(call, rs, world_size, auto_restart)
+    if failures:  # the collective each raised in, as the ranks' recorders saw it
+        seen = recorder.failed_in({r: call.replies[r][1].get("collective") for r in failures
+                                   if isinstance(call.replies[r][1], dict)})
+        advice = _dead_group_advice(call, rs, world_size, auto_restart) if dead_group else \
+            _gone_advice(gone)
         return Verdict(error=RemoteError(failures, results, world_size, advice, seen),
-                       broken=True)
-    if failures:
-        return Verdict(error=RemoteError(failures, results, world_size, _gone_advice(gone),
-                                         seen))
+                       broken=dead_group)
     return Verdict(results=results)
 
 
