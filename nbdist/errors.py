@@ -83,8 +83,7 @@ class RemoteError(NbdistError):
                f"{root.message}"
         if len(self.failures) > 1:
             head += f"\n(root cause: rank {root.rank}, the first failure observed)"
-        #: a plain-words reading of torch's error, then ``seen``: what nbdist saw on the ranks
-        #: (the collective each one failed in)
+        # a plain-words reading of torch's error, then what nbdist saw on the ranks (``seen``)
         self.hint = " ".join(filter(None, (
             hint_for(" ".join(f.message for f in self.failures.values())), seen)))
         if self.hint:
