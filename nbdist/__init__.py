@@ -122,6 +122,19 @@ if not any(isinstance(f, _MovedFinder) for f in _sys.meta_path):
     _sys.meta_path.append(_MovedFinder())
 
 
+def _name_cells():
+    """In IPython (a notebook's kernel), code sent to the ranks from a cell keeps its cell's name
+    there: tracebacks and stacks say ``Cell In[5], line 4`` (:mod:`nbdist.ui.cells`). IPython is
+    already imported then; elsewhere nothing is."""
+    if "IPython" in _sys.modules:
+        from .ui.cells import install
+
+        install()
+
+
+_name_cells()
+
+
 def load_ipython_extension(ipython):
     """``%load_ext nbdist``: register the magics (imports IPython only now)."""
     from .ui.magics import load_ipython_extension as load

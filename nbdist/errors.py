@@ -68,10 +68,12 @@ class RemoteError(NbdistError):
         failures: ``{rank: RemoteFailure}`` for every rank that raised, in rank order.
         results: per-rank results where a rank succeeded, ``None`` where it failed.
         advice: what the failure did to the group and what to do (``""``: the group is usable).
+        hint: torch's error in plain words, and what nbdist saw on the ranks (``seen``: the
+            collective each failed rank raised in, from the collective recorder); ``""`` if none.
     """
 
     def __init__(self, failures: Dict[int, "RemoteFailure"], results: Optional[List] = None,
-                 world_size: Optional[int] = None, advice: str = ""):
+                 world_size: Optional[int] = None, advice: str = "", seen: str = ""):
         self.failures = dict(sorted(failures.items()))
         self.results = results
         self.world_size = world_size
@@ -81,7 +83,9 @@ class RemoteError(NbdistError):
                f"{root.message}"
         if len(self.failures) > 1:
             head += f"\n(root cause: rank {root.rank}, the first failure observed)"
-        self.hint = hint_for(" ".join(f.message for f in self.failures.values()))
+        # a plain-words reading of torch's error, then what nbdist saw on the ranks (``seen``)
+        self.hint = " ".join(filter(None, (
+            hint_for(" ".join(f.message for f in self.failures.values())), seen)))
         if self.hint:
             head += f"\nnbdist: {self.hint}"
         if advice:
@@ -243,10 +247,10 @@ _HINTS = (
      "lists each rank's call."),
     ("for recv operation to complete",
      "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
-     "different collectives. Start the group with debug='detail' to check for a mismatch."),
+     "different collectives."),
     ("for send operation to complete",
      "A rank did not enter the collective within the group timeout: it is stuck, or the ranks ran "
-     "different collectives. Start the group with debug='detail' to check for a mismatch."),
+     "different collectives."),
     ("Application timeout caused pair closure",
      "The process group is dead after an earlier timeout; call restart()."),
     ("Connection closed by peer",

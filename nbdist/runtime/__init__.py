@@ -25,6 +25,9 @@ Parts, one owner each:
   lock, a Ctrl-C wherever it lands, and how a background job (:mod:`.jobs`) ends.
 * :mod:`.worker` -- the worker process itself; :mod:`.status` -- what ``status()`` shows;
   :mod:`.imports` -- modules a rank imports between calls (``Group.preload``).
+* :mod:`.cells` -- where the code a rank runs came from: a notebook cell's name (``Cell In[5]``)
+  and text, which reach each rank once, so that tracebacks, stacks, pdb and warnings there show
+  the cell and the line (the notebook layer says which files are cells: ``cells.CELLS``).
 * :mod:`.output` -- where the ranks' lines go: kept on the call (``last_output``, ``job.output``),
   then shown with repeats folded (quiet ranks), as written, or queued for the user's ``output=``
   sink.

@@ -32,11 +32,11 @@ from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteE
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
 from ..wire.deadline import Deadline, poll_until
-from ..wire.relay import ABORT_EXIT_CODE
-from . import rankpdb, stacks
+from . import cells, rankpdb, recorder, stacks
 from .metrics import Metrics
 from .ranks import RankSet
 from .reader import Waiter, read
+from .failure_advice import attached_advice, dead_group_advice, gone_advice
 from .ready import failure_from
 
 OK, DIED, TIMEOUT, INTERRUPTED = "ok", "died", "timeout", "interrupted"
@@ -52,6 +52,8 @@ class Call(Waiter):
         super().__init__()
         self.seq, self.targets, self.timeout, self.what = seq, list(targets), timeout, what
         self.msg = transport.encode((kind, seq, payload))
+        #: the text of the notebook cells its code comes from, sent first to a rank that lacks it
+        self.cells: Dict[str, str] = {}
         self.deadline: Optional[float] = None
         self.started: Optional[float] = None
         self.pending: set = set()
@@ -103,6 +105,7 @@ class Call(Waiter):
                     freed = rs.take_freed(r)
                     if freed:
                         rank.channel.send_bytes(transport.encode(("free", 0, freed)))
+                    cells.send_missing(rank, self.cells)
                     before[r] = rank.channel.sent
                     rank.channel.send_bytes(self.msg)
                 except OSError:
@@ -263,7 +266,7 @@ def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_rest
     how = "it restarts on the next call (auto_restart)" if auto_restart else \
         "call restart() to bring it back"
     if ended is not None:  # an attached group: the others were told to exit
-        how = _attached_advice([r for r in ended if r not in killed], rs)
+        how = attached_advice([r for r in ended if r not in killed], rs)
     stuck = [r for r in killed if r not in torn]
     why = [f"{ranks_phrase(stopped)} stopped on SIGINT"] if stopped else []
     if torn:
@@ -296,27 +299,9 @@ def _deaths(call: Call, rs: RankSet) -> RankDiedError:
     tails = " ".join(t for _, t in deaths.values())
     advice = ""
     if rs.ends_survivors:
-        text = _attached_advice([r for r in ended if r not in deaths], rs)
+        text = attached_advice([r for r in ended if r not in deaths], rs)
         advice = f"The group failed. {text[0].upper()}{text[1:]}."
     return RankDiedError(deaths, hint_for(tails) or "", advice)
-
-
-def _attached_advice(ended: List[int], rs: RankSet) -> str:
-    """What happened to the other ranks of an attached group, and what to do now."""
-    counts = [tuple((r.info or {}).get("restarts") or (0, 0)) for r in rs.ranks]
-    done, limit = min(c[0] for c in counts), min(c[1] for c in counts)
-    if done < limit:  # torchrun restarts every worker: the group comes back by itself
-        told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
-                f"{ABORT_EXIT_CODE}) so that torchrun restarts them all; " if ended else "")
-        gen = max(r.generation for r in rs.ranks) + 1
-        return (f"{told}torchrun restarts the ranks (restart {done + 1} of {limit}): they join "
-                f"this group again as generation {gen}, which your next call waits for and uses; "
-                "variables on the ranks are gone (they are new processes)")
-    told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
-            f"{ABORT_EXIT_CODE}) so that torchrun/srun ends the job instead of holding the nodes; "
-            if ended else "")
-    return (f"{told}nbdist cannot restart ranks it did not start: call stop(), then "
-            "nbdist.attach() again and re-run the launcher command")
 
 
 def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Verdict:
@@ -360,37 +345,11 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
             call, f"while the results of '{call.what}' were unpickled here"))
     for r, failure in failures.items():  # ranks torchrun/srun started: say where they ran
         failure.where = rs[r].process.where
-    if failures and dead_group:
-        advice = _dead_group_advice(call, rs, world_size, auto_restart)
-        return Verdict(error=RemoteError(failures, results, world_size, advice), broken=True)
-    if failures:
-        return Verdict(error=RemoteError(failures, results, world_size, _gone_advice(gone)))
+    if failures:  # the collective each raised in, as the ranks' recorders saw it
+        seen = recorder.failed_in({r: call.replies[r][1].get("collective") for r in failures
+                                   if isinstance(call.replies[r][1], dict)})
+        advice = dead_group_advice(call, rs, world_size, auto_restart) if dead_group else \
+            gone_advice(gone)
+        return Verdict(error=RemoteError(failures, results, world_size, advice, seen),
+                       broken=dead_group)
     return Verdict(results=results)
-
-
-def _gone_advice(gone: List[int]) -> str:
-    """What to say when failed ranks were left without a default process group."""
-    if not gone:
-        return ""
-    return (f"{ranks_phrase(gone)} no longer {'has' if len(gone) == 1 else 'have'} "
-            "a default process group: this call destroyed it and did not make a new one, so "
-            "collectives fail there until dist.init_process_group runs again on every rank; "
-            "restart() (%dist_restart in a notebook) starts fresh ranks.")
-
-
-def _dead_group_advice(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> str:
-    """What a failed process group means for the group (it is shut down) and what to do."""
-    text = ("the process group on the ranks can no longer be used (a collective timed out or "
-            "failed), and torch.distributed does not recover from that: the group was shut down; ")
-    if rs.ends_survivors:
-        text += _attached_advice(rs.abort_remote(), rs)
-    elif auto_restart:
-        text += "it restarts on the next call (auto_restart)"
-    else:
-        text += ("call restart() (%dist_restart in a notebook) to start fresh ranks (variables "
-                 "on the ranks are lost)")
-    if len(call.targets) < world_size:
-        text += (f". Note: this call ran on {ranks_phrase(call.targets)} only, and a collective "
-                 f"on the default group waits for all {world_size} ranks: run it on every rank, "
-                 "or on a group of those ranks made with dist.new_group(ranks) (on every rank)")
-    return text + "."

@@ -101,6 +101,7 @@ class Dispatch:
                                          else self._opts["call_timeout"])
         call = self._last_call = Call(next(self._seq), req.kind, req.payload, targets, timeout,
                                       req.what)
+        call.cells = req.cells
         self._inc.relay.context = contextvars.copy_context()
         self._out.begin(call)
         self._state = "busy"

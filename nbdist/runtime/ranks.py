@@ -61,6 +61,7 @@ class Rank:
         self.last_error = ""  #: the last Python error the rank replied with
         self.generation = 1  #: 2, 3, ... for ranks torchrun restarted (attached groups)
         self._guard = None  # its rank set's ``ranks`` lock, once it belongs to one
+        self.cells: Dict[str, str] = {}  #: the notebook cells' texts sent to it (:mod:`.cells`)
 
     def __repr__(self) -> str:
         return f"<Rank {self.rank}: {self.state}{' ' + self.busy_with if self.busy_with else ''}>"

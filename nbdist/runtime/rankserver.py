@@ -11,7 +11,6 @@ import ast
 import bdb
 import ctypes
 import importlib
-import linecache
 import os
 import re
 import signal
@@ -19,7 +18,6 @@ import socket
 import sys
 import threading
 import time
-import traceback
 import types
 from datetime import timedelta
 from typing import Any, Dict, Optional
@@ -32,7 +30,7 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
+from . import cells, imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint, recv_whole
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -149,6 +147,7 @@ class _Worker:
         self._guard_init()
         recorder.install(dist)  # the rank's last collectives, for the stall analysis
         rankpdb.install(self)  # breakpoint() and pdb.set_trace() prompt in the notebook
+        cells.keep_names_in_pdb()  # pdb on code from a cell finds the cell's lines
         for hook in cfg.get("rank_hooks", ()):  # e.g. Lightning's guards: an import hook only
             module, _, name = hook.partition(":")
             getattr(importlib.import_module(module), name)()
@@ -195,15 +194,19 @@ class _Worker:
         return fn
 
     def do_exec(self, payload):
-        source, filename = payload
+        # source, the name it runs under, where it starts in its cell (lines, columns), and
+        # whether its text is its own (else the cell's came in a "src" message: cells.register)
+        source, filename, lines, columns, own = payload
         tree = ast.parse(source, filename, "exec")
         last = None
         if tree.body and isinstance(tree.body[-1], ast.Expr):
             last = ast.Expression(tree.body.pop().value)
-        linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+        if own:
+            cells.register({filename: source})
+        cells.shift(tree, lines, columns)
         exec(compile(tree, filename, "exec"), self.ns)
         if last is not None:
-            return eval(compile(last, filename, "eval"), self.ns)
+            return eval(compile(cells.shift(last, lines, columns), filename, "eval"), self.ns)
         return None
 
     def do_push(self, payload: bytes):
@@ -228,12 +231,15 @@ class _Worker:
         """The next message for this rank's main thread: the one reader of its control channel,
         for the serving loop and for pdb waiting for a command (:mod:`.rankpdb`; ``whole``: an
         interrupt may end the wait, never cut a message in half). Pooled result segments the
-        caller gave back (``"free"``) are released here, whoever reads."""
+        caller gave back (``"free"``) are released here, and the text of the notebook cells the
+        next request's code comes from (``"src"``) registered, whoever reads."""
         while True:
             kind, seq, payload = recv_whole(channel) if whole else channel.recv()
-            if kind != "free":
+            if kind == "src":
+                cells.register(payload)
+            elif kind != "free":
                 return kind, seq, payload
-            if self.pool is not None:
+            elif self.pool is not None:
                 self.pool.release(payload)
 
     def serve(self, channel: transport.Channel) -> None:
@@ -303,18 +309,16 @@ class _Worker:
 
 
 def _failure(exc: BaseException, rank: int, text: str = "") -> Dict[str, Any]:
-    """Describe an exception for the caller: type, message, traceback without nbdist's frames."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in (__file__, serialize.__file__):
-        tb = tb.tb_next
-    formatted = text + "\n" if text else "".join(traceback.format_exception(type(exc), exc, tb))
+    """Describe an exception for the caller: type, message, traceback without nbdist's frames
+    (:func:`.cells.format_failure`)."""
+    formatted = text + "\n" if text else cells.format_failure(exc)
     try:
         blob = cloudpickle.dumps(exc)
     except Exception:  # noqa: BLE001 -- the exception itself may not be picklable
         blob = None
     return {"rank": rank, "type": type(exc).__name__, "message": text or str(exc),
             "traceback": formatted, "time": time.time(), "exception": blob,
-            "pg_failed": process_group_failed(exc)}
+            "pg_failed": process_group_failed(exc), "collective": recorder.raised()}
 
 
 # gloo's transport errors: a pair that timed out or failed is closed for good (FACTS-TORCH.md

@@ -32,6 +32,7 @@ OPS = ("all_reduce", "broadcast", "reduce", "all_gather", "all_gather_into_tenso
        "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
        "broadcast_object_list", "send", "recv", "monitored_barrier")
 
+RAISED = "raised"  #: an 8th field of a record whose collective raised
 _records: "collections.deque[list]" = collections.deque(maxlen=KEEP)
 _counts: Dict[Any, int] = {}
 _names: Dict[int, str] = {}
@@ -67,6 +68,9 @@ def _wrap(op: str, fn, tensor_type, group_type):
         _records.append(entry)
         try:
             return fn(*args, **kwargs)
+        except BaseException:
+            entry.append(RAISED)  # the failure came out of this collective (:func:`raised`)
+            raise
         finally:
             entry[6] = time.time()
     recorded._nbdist_recorded = True
@@ -86,6 +90,11 @@ def snapshot() -> List[list]:
     return [list(e) for e in _records.copy()]
 
 
+def raised() -> Optional[list]:
+    """The newest record, if its collective raised (a failure then came out of it)."""
+    return list(_records[-1]) if _records and len(_records[-1]) > 7 else None
+
+
 # ---- on the notebook's side ---------------------------------------------------------------------
 def _what(entry: list) -> str:
     seq, op, group, shape, dtype = entry[:5]
@@ -93,6 +102,21 @@ def _what(entry: list) -> str:
         f" ({'x'.join(map(str, shape)) or 'scalar'}{' ' + dtype if dtype else ''})"
     where = "" if group == "default" else f" on {group}"
     return f"{op} #{seq}{where}{size}"
+
+
+def failed_in(records: Dict[int, Optional[list]]) -> str:
+    """What the ranks that failed were doing, from each one's :func:`raised` record: the
+    collective each raised in, and whether they differ. ``""`` when none raised in one."""
+    inside = {r: e for r, e in sorted(records.items()) if e is not None}
+    if not inside:
+        return ""
+    kinds: Dict[str, List[int]] = {}
+    for r, e in inside.items():
+        kinds.setdefault(_what(e), []).append(r)
+    parts = "; ".join(f"{ranks_phrase(rs)} failed in {what}" for what, rs in kinds.items())
+    if len(kinds) > 1:
+        return f"Mismatched collectives: {parts}."
+    return f"{parts[0].upper()}{parts[1:]}."
 
 
 def analyse(records: Dict[int, Optional[List[list]]], places: Dict[int, str]) -> List[str]:
@@ -126,6 +150,6 @@ def analyse(records: Dict[int, Optional[List[list]]], places: Dict[int, str]) ->
                                f"({last}){where}.")
     if len(kinds) == 1 and not missing and len(inside) == len(records):
         ((what, rs),) = kinds.items()
-        lines.append(f"{ranks_phrase(rs)} are all in {what}: the collective itself has not "
-                     "completed (a slow or lost peer, or the network).")
+        lines.append(f"{ranks_phrase(rs)} {'are all' if len(rs) > 1 else 'is'} in {what}: the "
+                     "collective itself has not completed (a slow or lost peer, or the network).")
     return lines + missing

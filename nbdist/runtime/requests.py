@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..wire import serialize
+from . import cells
 
 
 @dataclass
@@ -18,11 +19,13 @@ class Request:
     payload: Any
     what: str
     segments: List[str] = field(default_factory=list)
+    #: the text of each notebook cell the code comes from, by name: sent to a rank once
+    cells: Dict[str, str] = field(default_factory=dict)
 
 
-def _pickle(obj: Any, what: str, prefix: str):
+def _pickle(obj: Any, what: str, prefix: str, naming: Optional[cells.Naming] = None):
     try:
-        return serialize.dumps(obj, prefix, private=True, unlink=False)
+        return serialize.dumps(obj, prefix, private=True, unlink=False, code_names=naming)
     except Exception as err:  # noqa: BLE001 -- cloudpickle raises many types
         raise TypeError(f"cannot send the {what} to the ranks: it (or something it refers to) "
                         f"cannot be pickled: {type(err).__name__}: {err}. Define what it needs "
@@ -35,16 +38,25 @@ def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}", prefix)
-    return Request("run", payload, f"run {name}", segs)
+    naming = cells.Naming()  # code from notebook cells keeps its cell's name and text
+    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}", prefix,
+                            naming)
+    return Request("run", payload, f"run {name}", segs, naming.texts)
 
 
 def exec_request(source: str, filename: str) -> Request:
-    """Python ``source`` run in the ranks' namespace (a SyntaxError shows here, no round trip)."""
+    """Python ``source`` run in the ranks' namespace (a SyntaxError shows here, no round trip).
+    Source written in the notebook cell that sent it runs under the cell's name, at its lines
+    there (:func:`.cells.locate`); other source under ``filename``."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
     compile(source, filename, "exec")
-    return Request("exec", (source, filename), "exec")
+    found = cells.locate(source)
+    if found is None or not found[1]:  # the source's own text, under its own name
+        name = filename if found is None else found[0]
+        return Request("exec", (source, name, 0, 0, True), "exec")
+    label, text, lines, columns = found
+    return Request("exec", (source, label, lines, columns, False), "exec", cells={label: text})
 
 
 def push_request(values: Dict[str, Any], prefix: str) -> Request:
@@ -53,8 +65,9 @@ def push_request(values: Dict[str, Any], prefix: str) -> Request:
         if not is_variable_name(name):
             raise ValueError(f"push() names must be variable names, got {name!r}"
                              f"{keyword_note(name)}")
-    payload, segs = _pickle(values, "pushed value", prefix)
-    return Request("push", payload, f"push {', '.join(values)}", segs)
+    naming = cells.Naming()  # a function pushed from a cell keeps its cell's name too
+    payload, segs = _pickle(values, "pushed value", prefix, naming)
+    return Request("push", payload, f"push {', '.join(values)}", segs, naming.texts)
 
 
 def pull_request(names: Sequence[str]) -> Request:

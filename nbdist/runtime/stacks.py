@@ -10,7 +10,7 @@ channel posts it to the rank set's :class:`StacksBox`: a waiting call, a backgro
 or :func:`collect` itself when the group is idle.
 
 The stacks leave out nbdist's own serving frames: a rank that waits for a request shows as idle.
-Ranks whose stacks are the same are shown once (:class:`Stacks`: ``ranks 0, 2, 3: <dist-cell-4>:3
+Ranks whose stacks are the same are shown once (:class:`Stacks`: ``ranks 0, 2, 3: Cell In[4]:3
 <module> -> distributed_c10d.py:2950 all_reduce``).
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 from ..errors import ranks_phrase
 from ..wire import locks
 from ..wire.deadline import Deadline, poll_until
-from . import reader, recorder
+from . import cells, reader, recorder
 
 _NBDIST = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 #: where nbdist's own serving loop lives on a rank: frames a user is not shown (here and in
@@ -279,7 +279,7 @@ class Stacks:
 
     def summary(self) -> str:
         """The collectives' analysis (if a collective runs), then one line per set of ranks:
-        ``ranks 0, 1: <dist-cell-3>:2 <module> -> ... sleep``."""
+        ``ranks 0, 1: Cell In[3]:2 <module> -> ... sleep``."""
         lines = self.collectives()
         for ranks, body in self.folded():
             if body is None:
@@ -316,7 +316,7 @@ class Stacks:
 
 
 def _place(frame: tuple) -> str:
-    return f"{frame[0]}:{frame[1]}" if frame[0].startswith("<") else \
+    return cells.place(frame[0], frame[1]) if cells.is_cell(frame[0]) else \
         f"{_shorten(frame[0])}:{frame[1]}"
 
 
@@ -327,5 +327,4 @@ def _shorten(path: str) -> str:
 
 
 def _short(frame: tuple) -> str:
-    return f"{os.path.basename(frame[0]) if not frame[0].startswith('<') else frame[0]}:" \
-           f"{frame[1]} {frame[2]}"
+    return cells.short(frame[0], frame[1], frame[2])

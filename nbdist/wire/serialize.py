@@ -22,7 +22,8 @@ import itertools
 import os
 import pickle
 import sys
-from typing import Any, List, Optional
+import types
+from typing import Any, Callable, List, Optional
 
 import cloudpickle
 
@@ -61,15 +62,32 @@ def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool
     return _finish(torch, tensor, requires_grad, is_param)
 
 
+# cloudpickle's reduction of a code object, which writes "<dynamic-code>" for its file name
+_code_reduce = getattr(getattr(cloudpickle, "cloudpickle", None), "_code_reduce", None)
+
+
+def _named_code(code: types.CodeType, filename: str):
+    """cloudpickle's reduction of ``code``, with ``filename`` where it writes ``<dynamic-code>``."""
+    make, args = _code_reduce(code)
+    args = list(args)
+    args[args.index("<dynamic-code>")] = filename
+    return make, tuple(args)
+
+
 class Pickler(cloudpickle.Pickler):
     """cloudpickle, plus large CPU tensors written to shared-memory files instead of the stream.
 
     ``prefix`` is the segment path prefix (``None``: no shared memory, e.g. for a remote peer);
     ``private`` and ``unlink`` tell the receiver how to map and whether to unlink.
     ``created`` lists the files this pickler made.
+
+    ``code_names``: code shipped by value keeps a file name (cloudpickle writes
+    ``<dynamic-code>`` in every code object): ``code_names(co_filename)`` gives the name it
+    travels under (a notebook cell's label, say), or ``None`` to keep its own.
     """
 
-    def __init__(self, file, prefix: Optional[str], private: bool, unlink: bool, pool=None):
+    def __init__(self, file, prefix: Optional[str], private: bool, unlink: bool, pool=None,
+                 code_names: Optional[Callable[[str], Optional[str]]] = None):
         super().__init__(file, protocol=5)
         self.pool = pool
         self.prefix = prefix
@@ -77,10 +95,14 @@ class Pickler(cloudpickle.Pickler):
         self.unlink = unlink
         self.created: List[str] = []
         self.pooled: List[str] = []
+        self.code_names = code_names if _code_reduce is not None else None
 
     def reducer_override(self, obj):
+        kind = type(obj)
+        if kind is types.CodeType and self.code_names is not None:
+            return _named_code(obj, self.code_names(obj.co_filename) or obj.co_filename)
         torch = sys.modules.get("torch")
-        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+        if torch is not None and kind in (torch.Tensor, torch.nn.Parameter):
             reduced = self._reduce_tensor(obj, torch)
             if reduced is not None:
                 return reduced
@@ -116,15 +138,16 @@ class Pickler(cloudpickle.Pickler):
 
 
 def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
-          unlink: bool = True, pool=None):
+          unlink: bool = True, pool=None,
+          code_names: Optional[Callable[[str], Optional[str]]] = None):
     """Pickle ``obj`` by value; returns ``(bytes, segment_paths)`` (files made, or pooled segments
-    lent, for the tensors in ``obj``).
+    lent, for the tensors in ``obj``). ``code_names``: see :class:`Pickler`.
 
     On failure every segment already written is removed (or given back to ``pool``) before the
     error propagates.
     """
     buf = io.BytesIO()
-    pickler = Pickler(buf, prefix, private, unlink, pool)
+    pickler = Pickler(buf, prefix, private, unlink, pool, code_names)
     try:
         pickler.dump(obj)
     except BaseException:

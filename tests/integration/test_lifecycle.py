@@ -30,8 +30,8 @@ def _running(pid):
 
 
 def _said(proc, tag: str) -> str:
-    """What the script printed after ``tag`` on its first line that starts with it: nbdist's own
-    notes (the threads per rank) come on stdout too, before it."""
+    """What the script printed after ``tag`` on its first line that starts with it (lines the
+    ranks print come on stdout too; nbdist's own notes go to stderr in a script)."""
     for line in proc.stdout:
         if line.startswith(tag + " "):
             return line[len(tag) + 1:].strip()

@@ -57,11 +57,12 @@ def test_dist_debug_opens_pdb_on_the_failing_rank(kernel):
                                         ["p factor", "p batch", "up", "l", "where", "q"])
     assert status == "ok", errors
     assert prompts == ["(Pdb rank 1) "] * 6
-    assert text.startswith("ValueError: bad batch 20\n> <dist-cell-")
-    assert "(3)scale()\n-> raise ValueError(f\"bad batch {batch}\")\n" in text
+    assert text.startswith("ValueError: bad batch 20\n> Cell In[2](4)scale()\n"), text  # its cell
+    assert "(4)scale()\n-> raise ValueError(f\"bad batch {batch}\")\n" in text
     assert "\n41\n20\n" in text  # p factor, p batch: the rank's own variables
-    assert "(5)<module>()\n-> scale(20)" in text  # up
-    assert "  5  ->\t    scale(20)" in text  # l, in the frame above
+    assert "> Cell In[2](6)<module>()\n-> scale(20)" in text  # up: lines counted in the cell
+    assert "  6  ->\t    scale(20)" in text  # l, in the frame above
+    assert "  1  \t%%dist\n" in text  # the cell as typed
     # the failure stays until the rank's next call: a call ends it
     assert run(kernel, "%%dist\nrank")[0] == "ok"
     status, text, _, _ = run(kernel, "%dist_debug --rank 1")  # IPython prints a UsageError
@@ -96,7 +97,7 @@ def test_a_breakpoint_on_a_rank_prompts_in_the_cell(kernel):
     assert prompts == ["(Pdb rank 1) "] * 4
     assert text.startswith("nbdist: rank 1 stopped at a breakpoint; this call's timeout is "
                            "suspended while pdb is open (c continues, q ends the call).\n")
-    assert "(4)<module>()\n-> y = x + 1\n41\n" in text and "\n42\n" in text
+    assert "Cell In[2](5)<module>()\n-> y = x + 1\n41\n" in text and "\n42\n" in text
     assert "done 42 2.0" in text  # rank 0 waited in the all_reduce, then both finished
     # torch's own entry point, and q
     status, text, prompts, errors = run(kernel, "%%dist\ndist.breakpoint(rank=0)\nz = 1", ["q"])
@@ -126,22 +127,21 @@ def test_a_background_job_pauses_at_a_breakpoint_and_dist_debug_attaches(kernel)
     status, text, _, errors = run(kernel, "bp.wait(60)\nprint(bp.state)\nprint(bp.describe())")
     assert status == "ok", errors
     assert text.startswith("paused\njob 'bp': paused, "), text
-    assert "; rank 1 at a breakpoint, <dist-cell-" in text and \
-        ":4 (<module>) (timeout and stall watch suspended; attach with %dist_debug bp or " \
+    assert "; rank 1 at a breakpoint, Cell In[2]:5 (<module>) (timeout and stall watch suspended; attach with %dist_debug bp or " \
         "job.debug())" in text, text
     # waiting on it would last until someone attaches: %dist_wait says so at once
     status, text, prompts, errors = run(kernel, "%dist_wait bp")
     assert status == "error" and prompts == [], (text, errors)
     assert errors[0].startswith("JobPausedError: job 'bp' is paused: rank 1 at a breakpoint, "
-                                "<dist-cell-"), errors
+                                "Cell In[2]:5"), errors
     assert "Attach with %dist_debug bp (or job.debug()): c continues the job, q ends it." in \
         errors[0]
     status, text, prompts, errors = run(kernel, "%dist_debug bp", ["p x", "n", "p y", "c"])
     assert status == "ok", (text, errors)
     assert prompts == ["(Pdb rank 1) "] * 4
-    assert text.startswith("nbdist: attached to rank 1 of job 'bp', at a breakpoint (<dist-cell-")
-    assert "(4)<module>()\n-> y = x + 1\n42\n" in text  # p x: the rank's own value
-    assert "(5)<module>()\n-> t = torch.ones(1)\n43\n" in text  # n, then p y
+    assert text.startswith("nbdist: attached to rank 1 of job 'bp', at a breakpoint (Cell In[2]:5")
+    assert "(5)<module>()\n-> y = x + 1\n42\n" in text  # p x: the rank's own value
+    assert "(6)<module>()\n-> t = torch.ones(1)\n43\n" in text  # n, then p y
     assert text.endswith("nbdist: rank 1 left pdb; job 'bp' runs on (%dist_wait bp waits for "
                          "it).\n"), text
     status, text, _, errors = run(kernel, "%dist_wait -q bp\nprint(bp.result())")

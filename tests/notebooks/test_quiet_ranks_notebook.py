@@ -49,8 +49,8 @@ def test_quiet_ranks_in_a_real_kernel():
     out, err = streams(cells["quiet"])
     warning = [line for line in err.splitlines() if "FutureWarning: old_api" in line]
     assert len(warning) == 2, err  # shown once, then in the summary
-    assert warning[0].startswith("[ranks 0, 1] <dist-cell-")
-    assert warning[1].startswith(f"[ranks 0, 1: {STEPS} times each] <dist-cell-")
+    assert warning[0].startswith("[ranks 0, 1] Cell In[2]:5: FutureWarning"), warning  # its cell
+    assert warning[1].startswith(f"[ranks 0, 1: {STEPS} times each] Cell In[2]:5: ")
     assert "nbdist: repeated lines were shown once" in err
     for rank in (0, 1):  # per-rank lines: all of them, in order
         assert re.findall(rf"^\[rank {rank}\] (.*)$", out, re.M) == \

@@ -465,8 +465,13 @@ def test_when_a_rank_hangs(tmp_path):
     assert "mismatched collectives: rank 0 is in all_reduce #4 (1 float32); rank 1 is in " \
            "broadcast #4 (1 float32)." in text
     assert "log_metrics -> c10d_logger.py:83 wrapper -> distributed_c10d.py:" in text
-    assert "rank 1 never reached collective #3 (its last was #2); it is at <dist-cell-" in text
-    assert "in load_batch\n      time.sleep(6)" in text  # the stuck rank's source line
+    # each rank's place: the cell that defined the function, the line counted in that cell
+    assert "rank 1: <string in Cell In[3]>:3 <module> -> Cell In[2]:25 log_metrics -> " in text
+    assert "rank 0: <string in Cell In[3]>:3 <module> -> Cell In[2]:23 log_metrics -> " in text
+    assert "rank 1 never reached collective #3 (its last was #2); it is at Cell In[5]:5 " \
+           "load_batch." in text
+    assert "    Cell In[5], line 5, in load_batch\n      time.sleep(6)" in text  # its source line
+    assert "> Cell In[7](13)train_step()\n-> raise FloatingPointError(" in text  # pdb, in the cell
     assert "\nstalled\njob 'train': stalled," in text and "result: [3, 3] state: done" in text
     assert "FloatingPointError on ranks [0, 1]: the gradient is not finite at step 1" in text
     assert "[None, None]" not in text  # the definitions cell shows nothing

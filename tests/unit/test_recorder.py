@@ -1,7 +1,9 @@
 """The stall analysis of the ranks' recorded collectives (nbdist.runtime.recorder.analyse): what it
-says for mismatched collectives, a rank that never reached one, all ranks inside one, and none.
-Records are ``[seq, op, group, shape, dtype, issued, returned]`` as the ranks send them."""
-from nbdist.runtime.recorder import analyse
+says for mismatched collectives, a rank that never reached one, all ranks inside one, and none;
+and what a RemoteError says of the collectives its ranks raised in (``failed_in``).
+Records are ``[seq, op, group, shape, dtype, issued, returned]`` as the ranks send them (and
+``"raised"`` after them where the collective raised)."""
+from nbdist.runtime.recorder import analyse, failed_in
 
 
 def rec(seq, op="all_reduce", group="default", shape=(1024,), dtype="float32", done=True):
@@ -98,3 +100,19 @@ def test_a_snapshot_taken_while_the_main_thread_records_a_collective_does_not_fa
         recorder._records.extend(saved)
         recorder._counts.clear()
         recorder._counts.update(counts)
+
+
+def test_one_rank_inside_a_collective_reads_in_the_singular():
+    records = {0: [rec(2, "barrier", shape=None, dtype=None, done=False)]}
+    assert analyse(records, {}) == [
+        "rank 0 is in barrier #2: the collective itself has not completed (a slow or lost peer, "
+        "or the network)."]
+
+
+def test_the_collectives_failed_ranks_raised_in_are_named():
+    assert failed_in({0: rec(3) + ["raised"], 1: rec(3, "broadcast", shape=(1,)) + ["raised"]}) == (
+        "Mismatched collectives: rank 0 failed in all_reduce #3 (1024 float32); rank 1 failed in "
+        "broadcast #3 (1 float32).")
+    assert failed_in({0: rec(3) + ["raised"], 1: rec(3) + ["raised"]}) == (
+        "Ranks 0, 1 failed in all_reduce #3 (1024 float32).")
+    assert failed_in({0: None, 1: None}) == ""

@@ -56,8 +56,10 @@ def load_ipython_extension(shell) -> None:
     spawned: :func:`nbdist.runtime.launcher.prewarm`), so the first ``%dist_start`` is quick.
     """
     from ...runtime.launcher import prewarm
+    from ..cells import install
 
     prewarm()
+    install(shell)  # code from a cell shows on the ranks as "Cell In[5], line 4"
     kernel = getattr(shell, "kernel", None)  # ipykernel's; None in a terminal IPython
     if kernel is not None and not hasattr(kernel.do_shutdown, "nbdist_original"):
         kernel.do_shutdown = _stopping_first(kernel.do_shutdown)
