@@ -19,7 +19,7 @@ import threading
 import weakref
 from typing import Callable, Dict, List, Optional, Tuple
 
-from . import locks
+from . import locks, mappings
 from .segments import write_all
 
 POOL_BYTES = 2 << 30  # at most this much idle shared memory kept per worker
@@ -68,11 +68,14 @@ def rebuild_pooled(path: str, nbytes: int, dtype, shape, requires_grad: bool, is
     if claimed is not None:
         claimed.append(path)
 
-    fd = os.open(path, os.O_RDWR)
-    try:
-        buf = mmap.mmap(fd, nbytes)
-    finally:
-        os.close(fd)
+    if mappings.NAMED:  # Windows: the rank's mapping, which it holds while it lends it
+        buf = mappings.open_existing(path, nbytes)
+    else:
+        fd = os.open(path, os.O_RDWR)
+        try:
+            buf = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
     weakref.finalize(buf, _released, path)
     tensor = torch.frombuffer(buf, dtype=dtype, count=nbytes // dtype.itemsize).view(shape)
     del buf  # the tensor's storage holds the buffer; the finalizer runs when the storage dies
@@ -124,6 +127,11 @@ class SegmentPool:
         self._trim(nbytes)
         self._count += 1
         path = f"{self.prefix}{os.getpid()}-p{self._count}"
+        if mappings.NAMED:  # Windows: a named mapping, gone with the last process that holds it
+            buf = mappings.create(path, nbytes, keep=False)
+            copy_into(buf, src, nbytes)
+            self._segments[path] = [nbytes, buf, True]
+            return path, nbytes
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             write_all(fd, memoryview(src.numpy()))
@@ -141,6 +149,8 @@ class SegmentPool:
             size, buf, _ = self._segments.pop(path)
             buf.close()
             total -= size
+            if mappings.NAMED:
+                continue  # closed: Windows removes it with its last holder
             try:
                 os.unlink(path)
             except FileNotFoundError:

@@ -1,28 +1,32 @@
-"""Shared-memory segment files: where they live, how they are named, written and removed.
+"""Shared-memory segments: where they live, how they are named, written and removed.
 
-Every segment nbdist creates is a file ``nbdist-<group id>-<who>-...`` in ``/dev/shm`` (a temp dir
-where there is none), so a group can remove everything it made, and the next start on the machine can
-remove what a caller killed by SIGKILL left behind (:func:`sweep_orphans`).
+Every segment nbdist creates is named ``nbdist-<group id>-<who>-...``. On Linux and macOS it is a
+file in ``/dev/shm`` (a temp dir where there is none), so a group can remove everything it made,
+and the next start on the machine can remove what a caller killed by SIGKILL left behind
+(:func:`sweep_orphans`). On Windows it is a named file mapping (:mod:`.mappings`), which Windows
+removes with its last user, however that user ends: there is never anything to sweep.
 """
 from __future__ import annotations
 
 import glob
 import os
 import shutil
-import sys
 import tempfile
 from typing import List
 
 import psutil
 
+from . import mappings
+
 SHM_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-#: whether large tensors travel as shared files beside the message. Not on Windows: a file that a
-#: process has mapped cannot be deleted there, so a killed rank's segments would stay. Tensors then
-#: travel inside the message, as they do to and from ranks on other hosts (attached groups).
-SHARED_FILES = sys.platform != "win32"
+#: whether a local group's large tensors travel through shared memory beside the message: files in
+#: :data:`SHM_DIR`, or on Windows named mappings (:mod:`.mappings`; a *file* a process has mapped
+#: cannot be deleted there, so a killed rank's files would stay, but a mapping goes with its last
+#: user). Everywhere: ranks on other hosts (attached groups) get the bytes inside the message.
+SHARED_FILES = True
 SHM_MIN_BYTES = 1 << 16
-#: chooses how a local group's large tensors travel: ``shared`` (files beside the message, where
-#: :data:`SHARED_FILES`) or ``message`` (inside it: Windows' only way, selectable elsewhere)
+#: chooses how a local group's large tensors travel: ``shared`` (shared memory beside the
+#: message) or ``message`` (inside it)
 ENV_VAR = "NBDIST_TENSORS"
 
 
@@ -31,15 +35,12 @@ def shared_files(environ=None) -> bool:
     ``environ`` (default: this process's environment), else where the platform allows it. An
     unknown value, or ``shared`` on Windows, is refused, naming it."""
     value = (os.environ if environ is None else environ).get(ENV_VAR, "")
-    usable = ("shared", "message") if SHARED_FILES else ("message",)
+    usable = ("shared", "message")
     if not value:
-        return usable[0] == "shared"
+        return True
     if value not in usable:
-        why = (" (a file a process has mapped cannot be deleted on Windows, so a killed rank's "
-               "segments would stay)") if not SHARED_FILES and value == "shared" else ""
-        raise ValueError(f"{ENV_VAR} must be one of {', '.join(map(repr, usable))} on this "
-                         f"platform, got {value!r}{why}; unset it for the default "
-                         f"({usable[0]!r}).")
+        raise ValueError(f"{ENV_VAR} must be one of {', '.join(map(repr, usable))}, got "
+                         f"{value!r}; unset it for the default ('shared').")
     return value == "shared"
 
 
@@ -49,12 +50,18 @@ def shm_prefix(group_id: str, who: str) -> str:
 
 
 def leftover_segments(group_id: str) -> List[str]:
-    """Segment files of group ``group_id`` that still exist."""
+    """Segment files of group ``group_id`` that still exist (on Windows: the mappings of that
+    group this process still holds)."""
+    if mappings.NAMED:
+        return mappings.held(f"nbdist-{group_id}-")
     return glob.glob(os.path.join(SHM_DIR, f"nbdist-{group_id}-*"))
 
 
 def remove_segments(paths) -> None:
-    """Unlink segment files, ignoring those already gone."""
+    """Unlink segment files, ignoring those already gone (on Windows: let go of the mappings)."""
+    if mappings.NAMED:
+        mappings.release(paths)
+        return
     for path in paths:
         try:
             os.unlink(path)

@@ -27,7 +27,8 @@ from typing import Any, Callable, List, Optional
 
 import cloudpickle
 
-from .pool import rebuild_pooled
+from . import mappings
+from .pool import copy_into, rebuild_pooled
 from .segments import SHM_MIN_BYTES, remove_segments, write_all
 
 _counter = itertools.count()
@@ -56,6 +57,11 @@ def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool
     numel = 1
     for s in shape:
         numel *= s
+    if mappings.NAMED:  # Windows: a view of the sender's mapping (copy-on-write when private)
+        buf = mappings.open_existing(path, numel * dtype.itemsize, copy=private)
+        tensor = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape) if numel else \
+            torch.empty(shape, dtype=dtype)
+        return _finish(torch, tensor, requires_grad, is_param)
     tensor = torch.from_file(path, shared=not private, size=numel, dtype=dtype).view(shape)
     if unlink:
         remove_segments([path])
@@ -126,6 +132,13 @@ class Pickler(cloudpickle.Pickler):
             return (rebuild_pooled, (path, nbytes, data.dtype, tuple(data.shape), requires_grad,
                                      is_param))
         path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
+        if mappings.NAMED:  # Windows: held here until every receiver answered (remove_segments)
+            self.created.append(path)
+            copy_into(mappings.create(path, data.numel() * data.element_size()),
+                      data.view(-1).view(torch.uint8), data.numel() * data.element_size())
+            return (_rebuild_tensor,
+                    (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
+                     self.unlink))
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         self.created.append(path)
         try:
