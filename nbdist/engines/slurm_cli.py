@@ -93,6 +93,23 @@ def show(kind: str, name: str) -> Dict[str, str]:
     return fields
 
 
+def node_states(names: Sequence[str]) -> Dict[str, Tuple[str, str]]:
+    """``{node: (state, reason)}`` as sinfo says (``("down", "Not responding")``...)."""
+    if not names:
+        return {}
+    done = _run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%T|%E"])
+    out = {}
+    for line in done.stdout.strip().splitlines() if done.returncode == 0 else []:
+        name, state, reason = (line.split("|", 2) + ["", ""])[:3]
+        out[name] = (state, "" if reason == "none" else reason)
+    return out
+
+
+def unhealthy(state: str) -> bool:
+    """True for a node state in which its tasks cannot run (down, drained, not responding)."""
+    return state.startswith(("down", "drain", "fail")) or "*" in state
+
+
 def hostnames(nodelist: str) -> List[str]:
     """``"n[1-2]"`` -> ``["n1", "n2"]`` (the order of SLURM_NODEID)."""
     if not nodelist:
@@ -112,9 +129,13 @@ def cancel(job_id: str) -> None:
 
 def owner_link(job_id: str, stop_file: str) -> subprocess.Popen:
     """A small process in a session of its own that cancels the job once this process is gone
-    (a SIGKILLed kernel) -- unless ``stop_file`` exists (the group let it go)."""
-    script = (f"while kill -0 {os.getpid()} 2>/dev/null && [ ! -e {shlex.quote(stop_file)} ]; "
-              f"do sleep 0.5; done; [ -e {shlex.quote(stop_file)} ] || scancel {job_id}")
-    return subprocess.Popen(["bash", "-c", script], stdin=subprocess.DEVNULL,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    (a SIGKILLed kernel) -- unless ``stop_file`` exists (the group let the job go)."""
+    code = ("import os, subprocess, sys, time\n"
+            "owner, job, stop = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+            "while os.getppid() == owner and not os.path.exists(stop):\n"
+            "    time.sleep(0.5)\n"
+            "if not os.path.exists(stop):\n"
+            "    subprocess.run(['scancel', job], timeout=60)\n")
+    return subprocess.Popen([sys.executable, "-S", "-c", code, str(os.getpid()), job_id,
+                             stop_file], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)

@@ -19,7 +19,7 @@ import threading
 import time
 from typing import List, Optional
 
-from ..errors import ExitStatus, NbdistError
+from ..errors import ExitStatus, NbdistError, ranks_phrase
 from ..runtime.attach import AttachLauncher, _Remote
 from ..runtime.processes import RemoteProcess
 from ..runtime.ranks import Rank
@@ -125,16 +125,18 @@ class SlurmLauncher(AttachLauncher):
         except OSError:
             return ""
 
-    def death_note(self, node: str) -> str:
-        """What SLURM says about a lost rank's node and the job (``""``: nothing unusual)."""
+    def death_note(self) -> str:
+        """What SLURM says about the job's nodes that are down (with the ranks on them) and about
+        the job, when a rank was lost (``""``: nothing unusual)."""
         parts = []
-        name = self.node_name(node)
-        if name:
-            fields = slurm_cli.show("node", name)
-            state, reason = fields.get("State", ""), fields.get("Reason", "")
-            if reason or any(w in state for w in ("DOWN", "DRAIN", "FAIL", "*")):
-                parts.append(f"SLURM says node {name} is {state}" + (f": {reason}" if reason
-                                                                     else ""))
+        for name, (state, reason) in slurm_cli.node_states(self.nodes).items():
+            # a reason is set when a node is taken down (by SLURM or an admin), even while sinfo
+            # shows it as completing its jobs
+            if (reason or slurm_cli.unhealthy(state)) and name in self.nodes:
+                index = str(self.nodes.index(name))
+                on = [r.rank for r in self._current if getattr(r.process, "node", "") == index]
+                parts.append(f"SLURM says node {name} ({ranks_phrase(on) if on else 'no rank'}) "
+                             f"is {state}" + (f": {reason}" if reason else ""))
         if self.job_id:
             state, reason, _ = slurm_cli.job_state(self.job_id)
             if state and state not in ("RUNNING", "COMPLETING"):
@@ -206,7 +208,7 @@ class SlurmProcess(RemoteProcess):
             return status
         if self._note is None:
             try:
-                self._note = self.launcher.death_note(self.node)
+                self._note = self.launcher.death_note()
             except (OSError, ValueError, slurm_cli.subprocess.TimeoutExpired):
                 self._note = ""
         if not self._note:
