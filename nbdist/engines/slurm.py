@@ -53,8 +53,10 @@ class SlurmEngine(Engine):
         if isinstance(sbatch_args, str):
             raise TypeError("sbatch_args must be a list of arguments, e.g. ['--mem=8G', "
                             f"'--exclusive'], got the string {sbatch_args!r}")
+        # --no-requeue: after a node failure SLURM would run the job again later, with nobody
+        # listening for its ranks
         directives: List[str] = [f"--job-name={job_name or 'nbdist'}", f"--nodes={nodes}",
-                                 f"--ntasks-per-node={per_node}"]
+                                 f"--ntasks-per-node={per_node}", "--no-requeue"]
         given = dict(partition=partition, time=time, account=account, qos=qos, gres=gres,
                      constraint=constraint)
         directives += [f"--{k}={v}" for k, v in given.items() if v is not None]

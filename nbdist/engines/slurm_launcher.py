@@ -69,10 +69,10 @@ class SlurmLauncher(AttachLauncher):
             ready, store = super().launch(group_id, choice, opts, threads, tmp, relay)
         except AdmissionStopped:
             state, reason = self._wait.ended
-            said = self.job_output()
+            said, job = self.job_output(), self.job_id
             self.close()
             raise NbdistError(
-                f"SLURM job {self.job_id} ended before its ranks joined: {state}"
+                f"SLURM job {job} ended before its ranks joined: {state}"
                 + (f" ({reason})" if reason else "") + "."
                 + (f"\n--- the job's output (last lines) ---\n{said}" if said else "")
                 + "\nCheck that the nodes have the same Python, torch and nbdist "

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import List
 
+import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +46,11 @@ class LocalSlurm:
             self.stop()
             pytest.skip(f"the test SLURM could not start: {done.stderr.strip()[-500:]}")
         os.environ["SLURM_CONF"] = str(directory / "slurm.conf")
+        # as most clusters: a node set down stays down (with its reason) until it is resumed;
+        # the script's ReturnToService=2 would bring it back (reason cleared) within seconds
+        conf = directory / "slurm.conf"
+        conf.write_text(conf.read_text().replace("ReturnToService=2", "ReturnToService=1"))
+        self.scontrol("reconfigure")
 
     def jobs(self) -> List[str]:
         """The ids of the jobs squeue shows (pending, running or completing)."""
@@ -88,9 +94,25 @@ class LocalSlurm:
             deadline = time.monotonic() + 30
             while self.jobs() and time.monotonic() < deadline:
                 time.sleep(0.25)
+        pids = []
+        for pid_file in self.dir.glob("*.pid"):
+            try:
+                pids.append(int(pid_file.read_text().strip()))
+            except (OSError, ValueError):
+                pass
         subprocess.run(["bash", str(self.script), "stop", str(self.dir)], capture_output=True,
                        timeout=60)
+        deadline = time.monotonic() + 20  # the daemons save their state and free their ports
+        while any(_running(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
         if self.before is None:
             os.environ.pop("SLURM_CONF", None)
         else:
             os.environ["SLURM_CONF"] = self.before
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False

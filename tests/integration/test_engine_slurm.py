@@ -8,12 +8,15 @@ the kernel's exit and a SIGKILLed kernel -- each leaving ``squeue`` empty. The l
 down under the shared group: a ``RankDiedError`` naming the rank, the node and SLURM's reason."""
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -28,19 +31,34 @@ cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the ranks cannot 
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    c = LocalSlurm(tmp_path_factory.mktemp("slurm"))
+def home():
+    """The cluster's state and the jobs' files: not under pytest's temp dir, which a pytest run
+    started meanwhile on this machine may prune (slurmd's spool going away fails its jobs)."""
+    path = Path(tempfile.mkdtemp(prefix="nbdist-slurm-tests-"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(home):
+    c = LocalSlurm(home / "cluster")
     try:
         yield c
     finally:
         c.stop()
 
 
+@pytest.fixture
+def tmp_path(home, request):
+    """A fresh directory for the test's job files, under :func:`home`."""
+    return Path(tempfile.mkdtemp(prefix=request.node.name[:40] + "-", dir=home))
+
+
 @pytest.fixture(scope="module")
-def g(cluster, tmp_path_factory):
+def g(cluster, home):
     """Two ranks in one SLURM job, one on each node; the queue empty after its stop."""
     group = nbdist.start(2, on="slurm", nodes=2, timeout=30, progress=False,
-                         workdir=str(tmp_path_factory.mktemp("jobs")))
+                         workdir=str(home / "jobs"))
     try:
         yield group
     finally:
@@ -183,6 +201,51 @@ def test_ctrl_c_while_the_job_waits_cancels_it(cluster, g, tmp_path, capsys):
     assert g.run(lambda: 1) == [1, 1]  # the shared group's job was not touched
 
 
+def test_a_job_whose_ranks_cannot_start_says_so_with_its_output(cluster, g, tmp_path):
+    before = cluster.jobs()
+    with pytest.raises(NbdistError, match=r"(?s)SLURM job \d+ ended before its ranks joined: "
+                                          r"(COMPLETED|FAILED).*--- the job's output \(last lines\) "
+                                          r"---\n.*/no/such/python.*Check that the nodes have the "
+                                          r"same Python, torch and nbdist \(/no/such/python\)"):
+        nbdist.start(2, on="slurm", nodes=2, python="/no/such/python", progress=False,
+                     workdir=str(tmp_path))
+    cluster.wait_empty(15.0, keep=before)
+
+
+def test_ranks_that_do_not_join_in_time_name_the_jobs_state(cluster, g, tmp_path):
+    before = cluster.jobs()
+    with pytest.raises(nbdist.DistTimeoutError, match=r"ranks 0, 1 did not join within 3 s.* "
+                                                      r"\(SLURM job \d+: PENDING BeginTime\)"):
+        nbdist.start(2, on="slurm", nodes=2, join_timeout=3, sbatch_args=LATER, progress=False,
+                     workdir=str(tmp_path))
+    cluster.wait_empty(15.0, keep=before)
+
+
+def test_the_magic_starts_a_slurm_group(cluster, g):
+    from IPython.testing import globalipapp
+    from IPython.testing.globalipapp import start_ipython
+    from IPython.utils.capture import capture_output
+
+    from nbdist.ui import magics
+
+    before = cluster.jobs()
+    shell = start_ipython() or globalipapp.get_ipython()
+    shell.run_line_magic("load_ext", "nbdist")
+    try:
+        magics.use_group(None)
+        with capture_output() as out:
+            shell.run_line_magic("dist_start", "-n 2 --on slurm --nodes 2 --time 10:00 "
+                                               "--sbatch-arg=--job-name=nbdist-magic")
+        assert "nbdist: submitted SLURM job" in out.stdout
+        group = magics.current_group()
+        assert group.exec("import os\nos.environ['SLURM_JOB_NAME']") == ["nbdist-magic"] * 2
+        shell.run_line_magic("dist_stop", "")
+        cluster.wait_empty(15.0, keep=before)
+    finally:
+        magics.use_group(None)
+        shell.run_line_magic("unload_ext", "nbdist")
+
+
 KERNEL = textwrap.dedent("""
     import os, sys, time, nbdist
     g = nbdist.start(2, on="slurm", nodes=2, timeout=30, progress=False, workdir=sys.argv[2],
@@ -247,12 +310,10 @@ def test_a_node_set_down_is_a_rank_death_naming_the_node_and_slurms_reason(clust
         text = str(info.value)
         # whichever rank SLURM's kill reached first, the message names the node that went down,
         # the rank on it and SLURM's reason
+        # (and the job's state, "job 7 is NODE_FAIL (NodeDown)", once SLURM has ended it)
         assert re.search(r"SLURM says node n2 \(rank 1\) is \S+: nbdist-test-down", text), text
         assert text.startswith(("rank 0 (node 0: n1, host ", "rank 1 (node 1: n2, host ")), text
         assert g.state == "broken"
     finally:
-        # the node may be back already (ReturnToService=2: slurmd registered again); then
-        # SLURM refuses the resume, and only waiting for it to be idle remains
-        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], timeout=30,
-                       capture_output=True)
+        cluster.scontrol("update", "nodename=n2", "state=resume")
     cluster.wait_idle("n2")

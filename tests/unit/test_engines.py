@@ -120,3 +120,13 @@ def test_nbdist_slurm_is_the_engine_module():
 
     assert alias is nbdist.engines.slurm and sys.modules["nbdist.slurm"] is alias
     assert importlib.metadata  # the entry points above are read through it
+
+
+def test_a_job_that_cannot_be_cancelled_says_how_to(monkeypatch, tmp_path, capsys):
+    from nbdist.engines.slurm_cli import cancel
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # no scancel
+    cancel("4242")
+    err = capsys.readouterr().err
+    assert err.startswith("nbdist: could not cancel SLURM job 4242 (") and \
+        err.endswith("); run `scancel 4242`.\n")
