@@ -4,8 +4,10 @@ on this machine (:mod:`slurm_helpers`; the module skips saying why when it canno
 One group (two ranks, one per node) serves the feature tests: the same worker as every group, so
 ``%%dist``, background jobs, stacks, the collective benchmark, ``memory.measure`` and a Lightning
 fit work on it. Other tests submit their own job: SLURM's refusal, Ctrl-C while the job waits,
-the kernel's exit and a SIGKILLed kernel -- each leaving ``squeue`` empty. The last test sets a node
-down under the shared group: a ``RankDiedError`` naming the rank, the node and SLURM's reason."""
+the kernel's exit and a SIGKILLed kernel -- each leaving ``squeue`` empty. The last tests fail a
+node -- set down under the shared group, then a killed slurmd under a group of its own (SLURM
+notices after SlurmdTimeout, ~30 s here) -- each a ``RankDiedError`` naming the rank, the node and
+SLURM's reason."""
 import os
 import re
 import shutil
@@ -317,3 +319,27 @@ def test_a_node_set_down_is_a_rank_death_naming_the_node_and_slurms_reason(clust
     finally:
         cluster.scontrol("update", "nodename=n2", "state=resume")
     cluster.wait_idle("n2")
+
+
+def test_a_node_whose_slurmd_is_killed_is_a_rank_death_naming_it(cluster, tmp_path):
+    before = cluster.jobs()
+    g2 = nbdist.start(2, on="slurm", nodes=2, timeout=30, progress=False, workdir=str(tmp_path))
+    pid_file = cluster.dir / "d-n2.pid"
+    try:
+        assert g2.run(lambda: 1) == [1, 1]
+        os.kill(int(pid_file.read_text().strip()), signal.SIGKILL)
+        # SLURM notices after SlurmdTimeout (10 s here), sets n2 down and ends the job's steps
+        with pytest.raises(nbdist.RankDiedError) as info:
+            g2.exec("import time\nfor _ in range(1200):\n    time.sleep(0.1)")
+        text = str(info.value)
+        assert re.search(r"SLURM says node n2 \(rank 1\) is \S+: Not responding", text), text
+    finally:
+        g2.stop()
+        subprocess.run(["slurmd", "-f", str(cluster.dir / "slurm.conf"), "-N", "n2"],
+                       timeout=30, check=True)
+        # a node down for "Not responding" comes back when its slurmd registers again
+        # (ReturnToService=1); resume it in case it was not marked down yet
+        subprocess.run(["scontrol", "update", "nodename=n2", "state=resume"], timeout=30,
+                       capture_output=True)
+    cluster.wait_idle("n2")
+    cluster.wait_empty(15.0, keep=before)
