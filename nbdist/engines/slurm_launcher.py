@@ -193,6 +193,9 @@ class SlurmProcess(RemoteProcess):
 
     launcher: SlurmLauncher
     _note: Optional[str] = None
+    #: what a lost rank's error tells to do (instead of an attached group's "re-run the launcher")
+    lost_advice = ("nbdist does not restart the ranks of a SLURM job: call stop(), then "
+                   "nbdist.start(..., on='slurm') again (a new job)")
 
     @property
     def where(self) -> str:

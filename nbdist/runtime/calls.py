@@ -312,8 +312,9 @@ def _attached_advice(ended: List[int], rs: RankSet) -> str:
     told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
             f"{ABORT_EXIT_CODE}) so that torchrun/srun ends the job instead of holding the nodes; "
             if ended else "")
-    return (f"{told}nbdist cannot restart ranks it did not start: call stop(), then "
-            "nbdist.attach() again and re-run the launcher command")
+    fix = getattr(rs.ranks[0].process, "lost_advice", "") if rs.ranks else ""  # an engine's
+    return (f"{told}{fix}" if fix else f"{told}nbdist cannot restart ranks it did not start: call "
+            "stop(), then nbdist.attach() again and re-run the launcher command")
 
 
 def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Verdict:

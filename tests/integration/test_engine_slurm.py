@@ -314,6 +314,8 @@ def test_a_node_set_down_is_a_rank_death_naming_the_node_and_slurms_reason(clust
         # the rank on it and SLURM's reason
         # (and the job's state, "job 7 is NODE_FAIL (NodeDown)", once SLURM has ended it)
         assert re.search(r"SLURM says node n2 \(rank 1\) is \S+: nbdist-test-down", text), text
+        assert text.endswith("nbdist does not restart the ranks of a SLURM job: call stop(), then "
+                             "nbdist.start(..., on='slurm') again (a new job).")
         assert text.startswith(("rank 0 (node 0: n1, host ", "rank 1 (node 1: n2, host ")), text
         assert g.state == "broken"
     finally:
