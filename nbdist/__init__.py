@@ -55,8 +55,8 @@ __all__ = sorted([
 
 #: The documented subpackages: ``nbdist.memory.measure(...)`` works without importing them first;
 #: each loads on first use (``import nbdist`` stays light).
-SUBPACKAGES = ("backends", "bench", "errors", "lightning", "memory", "parallel", "strategies",
-               "ui")
+SUBPACKAGES = ("backends", "bench", "engines", "errors", "lightning", "memory", "parallel",
+               "strategies", "ui")
 
 #: Modules that moved when nbdist grew packages, still importable under the path the docs gave
 #: them (``python -m nbdist.worker``, ``"nbdist.store_backend:create"``, ``import nbdist.shm``).
@@ -66,6 +66,8 @@ MOVED = {
     "nbdist.worker": "nbdist.runtime.worker",
     "nbdist.group": "nbdist.runtime.group",
     "nbdist.launcher": "nbdist.runtime.launcher",
+    # not moved but short: the SLURM engine as the docs name it, nbdist.slurm.start(...)
+    "nbdist.slurm": "nbdist.engines.slurm",
 }
 
 

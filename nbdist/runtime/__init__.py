@@ -11,6 +11,8 @@ Parts, one owner each:
   Where workers are spawned, a start takes warm spares first (:mod:`.spares`).
   An attached group's next generation (ranks torchrun restarted) joins in :mod:`.generations`;
   each generation's rendezvous store listens on the group's one address (:mod:`.rendezvous`).
+  Engines that place ranks themselves (``start(on="slurm")``) live above, in :mod:`nbdist.engines`;
+  :mod:`.engines` finds them by name (entry-point group ``nbdist.engines``) without importing them.
 * :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, the one owner of that rank's
   state (``Rank.MOVES`` is the whole state machine; every change is a method of ``Rank``), and the
   ``RankSet`` a call talks to. :mod:`.processes` -- the process behind a rank, local or started

@@ -13,8 +13,8 @@ from .launcher import LocalLauncher
 
 
 def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional[str] = "auto",
-          timeout: float = 60.0, *, start_method: Optional[str] = None, protect: bool = False,
-          **options) -> Group:
+          timeout: float = 60.0, *, on: str = "local", start_method: Optional[str] = None,
+          protect: Optional[bool] = None, **options) -> Group:
     """Start a :class:`Group` of ``world_size`` ranks and return it once torch.distributed is ready.
 
     See :class:`Group` for the options. Use it as a context manager to stop it at the end.
@@ -24,9 +24,26 @@ def start(world_size: int = 2, backend: Optional[str] = "auto", device: Optional
     the server). ``None`` takes the ``NBDIST_START_METHOD`` environment variable if set. Restarts
     keep the method. ``protect=True`` signs every message as :func:`attach` does on a network (a
     local group talks over loopback only, so it is off by default).
+
+    ``on``: where the ranks run. ``"local"`` (the default): this machine. Another name is an
+    engine that places them (``"slurm"``: :func:`nbdist.slurm.start <nbdist.engines.slurm.start>`;
+    third-party engines register under the entry-point group ``nbdist.engines``), and the options
+    it takes (``nodes=``, ``partition=``...) go to it; its ranks run the same worker as every
+    group's.
     """
+    if on != "local":
+        from .engines import start_on
+
+        for name, value in (("start_method", start_method), ("protect", protect)):
+            if value is not None:
+                options[name] = value
+        return start_on(on, world_size, backend, device, timeout, options)
+    if "keep_alive" in options:
+        raise ValueError("keep_alive is for groups an engine launched (on='slurm'): the ranks of a "
+                         "local group are this kernel's own processes and end with it. Drop "
+                         "keep_alive, or start the group with on='slurm'.")
     return Group(world_size, backend, device, timeout,
-                 _launcher=LocalLauncher(start_method, protect=protect), **options)
+                 _launcher=LocalLauncher(start_method, protect=bool(protect)), **options)
 
 
 def attach(world_size: int, listen: str = "127.0.0.1:0", backend: Optional[str] = "auto",

@@ -97,12 +97,7 @@ class AttachLauncher(Launcher):
             host, port = listener.getsockname()[:2]
             self.key_file = write_key(key, self.key_file)
             self.commands = commands(host, port, self.key_file, ws, self.nproc_per_node)
-            if self.progress:
-                print(f"nbdist: waiting for {ws} ranks on {host}:{port} ("
-                      f"{'messages signed' if self.protect else 'unprotected'}; "
-                      f"key in {self.key_file}; "
-                      f"copy it to the nodes, mode 0600). Start them with\n"
-                      f"  {self.commands['torchrun']}\nor\n  {self.commands['srun']}")
+            self.listening(host, port, ws)
             store = host_store(host, ws, opts["timeout"])
             config = {"backend": choice.backend, "device": choice.device,
                       "timeout": float(opts["timeout"]), "threads": threads,
@@ -129,6 +124,16 @@ class AttachLauncher(Launcher):
         self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
                                  lambda cfg, rel: self._admission(ws, cfg, rel, False))
         return ready, store
+
+    def listening(self, host: str, port: int, world_size: int) -> None:
+        """The listener and the key file are ready: print the commands that start the ranks (an
+        engine that starts them itself submits them here)."""
+        if self.progress:
+            print(f"nbdist: waiting for {world_size} ranks on {host}:{port} ("
+                  f"{'messages signed' if self.protect else 'unprotected'}; "
+                  f"key in {self.key_file}; "
+                  f"copy it to the nodes, mode 0600). Start them with\n"
+                  f"  {self.commands['torchrun']}\nor\n  {self.commands['srun']}")
 
     def _admission(self, ws, config, relay, progress) -> "_Remote":
         """The admission of one generation of ranks: signed as the group is."""

@@ -23,8 +23,9 @@ def attached_advice(ended: List[int], rs) -> str:
     told = (f"{ranks_phrase(ended)} {'were' if len(ended) > 1 else 'was'} told to exit (code "
             f"{ABORT_EXIT_CODE}) so that torchrun/srun ends the job instead of holding the nodes; "
             if ended else "")
-    return (f"{told}nbdist cannot restart ranks it did not start: call stop(), then "
-            "nbdist.attach() again and re-run the launcher command")
+    fix = getattr(rs.ranks[0].process, "lost_advice", "") if rs.ranks else ""  # an engine's
+    return (f"{told}{fix}" if fix else f"{told}nbdist cannot restart ranks it did not start: call "
+            "stop(), then nbdist.attach() again and re-run the launcher command")
 
 
 def gone_advice(gone: List[int]) -> str:

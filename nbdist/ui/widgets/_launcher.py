@@ -12,6 +12,7 @@ from traitlets import Float, Instance, Int, TraitError, Unicode, observe, valida
 from ...backends import registered_backends, resolve_backend, resolve_device
 from ...errors import NbdistError
 from ...runtime.api import start
+from ...runtime.engines import engines_here as available_engines
 from ...runtime.group import Group, current_group, use_group
 from ...runtime.launcher import restart_refusal
 from ...runtime.status import GroupStatus
@@ -42,6 +43,7 @@ class Launcher(Panel):
     backend = Unicode("auto", help="'auto', a built-in backend or a registered custom one")
     strategy = Unicode("ddp", help="a registered strategy name (nbdist.strategies)")
     timeout = Float(60.0, help="torch.distributed timeout in seconds")
+    where = Unicode("local", help="where the ranks run: 'local' or an engine usable here ('slurm')")
     status = Instance(GroupStatus, allow_none=True, help="the current group's last status")
     refresh_interval = Float(0.5, help="seconds between two refreshes of the status table")
 
@@ -61,6 +63,7 @@ class Launcher(Panel):
             world_size = torch.cuda.device_count() if self.device == "cuda" else 2
         self.world_size, self.backend, self.strategy = world_size, backend, strategy
         self.timeout, self.refresh_interval = timeout, refresh_interval
+        self._engines = available_engines()  # name -> None, or why it cannot run here
 
         wide = {"description_width": "initial"}
         dev_options, dev_reasons = device_options()
@@ -79,10 +82,14 @@ class Launcher(Panel):
             "timeout": widgets.BoundedFloatText(self.timeout, min=0.0, max=1e6,
                                                 description="timeout (s)", style=wide,
                                                 layout=widgets.Layout(width="160px")),
+            "where": widgets.Dropdown(options=[n for n, why in self._engines.items() if not why],
+                                      value=self.where, description="where", style=wide,
+                                      layout=widgets.Layout(width="170px")),
         }
         for name, control in self._controls.items():
             control.add_class(f"nbdist-{name.replace('_', '-')}")
-        self._device_note = reasons_html(dev_reasons, "devices")
+        self._device_note = reasons_html(dev_reasons, "devices") + reasons_html(
+            [f"{n}: {why}" for n, why in self._engines.items() if why], "engines")
         self._notes = widgets.HTML()
         self._known_backends = None
         self._update_backend_options()
@@ -106,7 +113,7 @@ class Launcher(Panel):
         self.children = [
             widgets.HTML("<b>nbdist launcher</b>"),
             widgets.HBox([c["world_size"], c["device"], c["backend"]]),
-            widgets.HBox([c["strategy"], c["timeout"]]),
+            widgets.HBox([c["strategy"], c["timeout"], c["where"]]),
             self._notes,
             widgets.HBox(list(self.buttons.values())),
             self._table,
@@ -144,6 +151,14 @@ class Launcher(Panel):
             get_strategy(proposal["value"])
         except ValueError as err:
             raise TraitError(str(err)) from None
+        return proposal["value"]
+
+    @validate("where")
+    def _check_where(self, proposal):
+        engines = getattr(self, "_engines", None) or available_engines()
+        why = engines.get(proposal["value"], "it is not an engine")
+        if why:
+            raise TraitError(f"the ranks cannot run on {proposal['value']!r}: {why}")
         return proposal["value"]
 
     @validate("timeout", "refresh_interval")
@@ -205,7 +220,7 @@ class Launcher(Panel):
         if running is not None and running.state != "stopped":
             raise NbdistError(f"a group is already running ({running!r}); press Restart to "
                               "change it, or Stop it first.")
-        group = start(self.world_size, self.backend, self.device, self.timeout)
+        group = start(self.world_size, self.backend, self.device, self.timeout, on=self.where)
         use_group(group)
         group.push(strategy=self.strategy)
         self.refresh()

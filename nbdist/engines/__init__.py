@@ -1,0 +1,31 @@
+"""Engines that place a group's ranks on machines nbdist does not own: ``nbdist.start(world_size,
+on="slurm", ...)``.
+
+One module per engine, each importing its engine's client lazily (SLURM's is its command-line
+tools, called as subprocesses). The runtime finds an engine by name (:mod:`nbdist.runtime.engines`:
+built-in names, then the entry-point group ``nbdist.engines``), so an engine that is not asked for
+is never imported, and a third party adds one by subclassing :class:`Engine` and registering it::
+
+    [project.entry-points."nbdist.engines"]
+    myengine = "my_package.engine:MyEngine"
+
+Every rank an engine places runs ``python -m nbdist.worker --connect ADDR --key-file FILE``: it joins
+the group as an attached rank does (:class:`~nbdist.runtime.attach.AttachLauncher`), so the
+handshake, signing, output, stacks, jobs and debugging are one code path for all.
+
+* :mod:`.base` -- :class:`Engine`, the interface.
+* :mod:`.slurm` -- ``on="slurm"``: one ``sbatch`` job whose ``srun`` step runs the ranks
+  (:mod:`.slurm_launcher`: the launch, the live wait, a lost node as a rank death;
+  :mod:`.slurm_cli`: the batch script and SLURM's commands).
+
+Threads: a SLURM launch runs ``nbdist-slurm-wait`` while the job waits and the ranks join: it reads
+the job's state once a second, shows it, and wakes the launch when the job ended before its ranks
+joined. It takes no lock of the group's.
+
+May import: :mod:`nbdist.runtime` and below; never strategies, memory, bench, Lightning or the
+notebook layer.
+"""
+from ..runtime.engines import ENTRY_POINT_GROUP, engines_here as available_engines
+from .base import Engine
+
+__all__ = ["ENTRY_POINT_GROUP", "Engine", "available_engines"]

@@ -1,0 +1,35 @@
+"""``%dist_start --on ENGINE``: the engine's flags are refused without an engine, and an engine's
+errors come back as ``UsageError`` with the magic's usage -- nothing started, nothing queued (the
+real SLURM runs of the magic are in tests/integration/test_engine_slurm.py)."""
+import pytest
+from IPython.core.error import UsageError
+
+
+def test_engine_flags_need_an_engine(shell, no_group):
+    with pytest.raises(UsageError, match="--nodes, --partition: options of an engine that places "
+                                         "the ranks; add --on slurm"):
+        shell.run_line_magic("dist_start", "-n 2 --nodes 2 --partition gpu")
+
+
+def test_an_unknown_engine_and_a_bad_layout_are_usage_errors(shell, no_group):
+    with pytest.raises(UsageError, match="unknown engine on='ray'; the engines are: 'local', "
+                                         "'slurm'"):
+        shell.run_line_magic("dist_start", "-n 2 --on ray")
+    with pytest.raises(UsageError, match="world_size=3 does not divide into nodes=2"):
+        shell.run_line_magic("dist_start", "-n 3 --on slurm --nodes 2 --sbatch-arg=--mem=1G")
+
+
+def test_the_launcher_panel_lists_where_the_ranks_can_run(panels, monkeypatch):
+    from traitlets import TraitError
+
+    from nbdist.ui import launcher
+
+    monkeypatch.setenv("PATH", "/nonexistent")  # no SLURM here, whatever the machine has
+    ui = panels(launcher)
+    assert ui._controls["where"].options == ("local",) and ui.where == "local"
+    note = ui._notes.value
+    assert "engines not available here (1)" in note and "slurm: no sbatch on PATH" in note
+    with pytest.raises(TraitError, match="the ranks cannot run on 'slurm': no sbatch on PATH"):
+        ui.where = "slurm"
+    with pytest.raises(TraitError, match="the ranks cannot run on 'ray': it is not an engine"):
+        ui.where = "ray"
