@@ -287,7 +287,8 @@ def test_memory_side_by_side_with_torchs_zero_in_one_table_and_plot(shared_group
     assert all(r.diff > 0.2 for r in by(rep, "deepspeed_zero3"))  # the bucket, explained
     table = rep.table()
     for name in names:
-        assert sum(line.split()[:1] == [name] for line in table.splitlines()) == 2, name
+        # ranks with equal figures share a row ("0-1"), else a row each
+        assert sum(line.split()[:1] == [name] for line in table.splitlines()) in (1, 2), name
     # one fact, written once for both stages
     assert "deepspeed_zero1, deepspeed_zero3: DeepSpeed keeps an fp32 master copy" in table
     assert table.count("DeepSpeed keeps an fp32 master copy") == 1
