@@ -9,29 +9,11 @@ import time
 import pytest
 
 import nbdist
+from threaded import LIVENESS, in_thread  # tests/integration, on sys.path
 from nbdist.runtime import calls, jobs
 from nbdist.runtime import group as group_module
 
 pytestmark = pytest.mark.timeout(180)
-
-#: a liveness bound for what must end (about a second), not a speed target
-LIVENESS = 60.0
-
-
-def in_thread(fn, *args, **kwargs):
-    """Run ``fn`` on a thread of its own; ``(thread, box)``: box gets "value" or "error"."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 -- the test inspects whatever it was
-            box["error"] = err
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
-
 
 # ---- risk 7: the job thread and stop() never use one rank set at once ---------------------------
 def test_stop_never_shuts_the_ranks_down_under_the_job_thread_that_reads_them(monkeypatch):

@@ -9,6 +9,7 @@ import time
 import pytest
 
 import nbdist
+from threaded import LIVENESS, in_thread  # tests/integration, on sys.path
 from nbdist.runtime import jobs
 from nbdist.runtime.processes import LocalProcess
 
@@ -17,26 +18,6 @@ from attach_helpers import Cluster
 pytestmark = pytest.mark.timeout(120)
 
 ALL_REDUCE = "t = torch.ones(1); dist.all_reduce(t); t.item()"
-#: How long a test waits for a call that must end while something else stays blocked: a liveness
-#: bound (the call ends within about a second), not a speed target.
-LIVENESS = 60.0
-
-
-def in_thread(fn, *args, **kwargs):
-    """Run ``fn`` on a thread of its own; ``(thread, box)``: box gets "value" or "error"."""
-    box = {}
-
-    def run():
-        try:
-            box["value"] = fn(*args, **kwargs)
-        except BaseException as err:  # noqa: BLE001 -- the test inspects whatever it was
-            box["error"] = err
-
-    thread = threading.Thread(target=run)
-    thread.start()
-    return thread, box
-
-
 # ---- risk 4: a job settles against a stopped group ---------------------------------------------
 @pytest.mark.parametrize("how, state, text", [
     ("stop", "stopped", "stopped while job 'sleep' ran; its ranks were stopped with it"),
