@@ -150,9 +150,10 @@ class SlurmLauncher(AttachLauncher):
         except (ValueError, IndexError):
             return ""
 
-    def close(self) -> None:
-        """Cancel the job, end the owner link, remove the job's files (once; to the end)."""
-        super().close()
+    def close(self, deadline=None) -> None:
+        """Cancel the job, end the owner link, remove the job's files (once; to the end); a
+        generation still joining is ended by ``deadline`` (see :meth:`AttachLauncher.close`)."""
+        super().close(deadline)
         job, self.job_id = self.job_id, None
         if job is not None:
             slurm_cli.cancel(job)
