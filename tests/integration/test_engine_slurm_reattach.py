@@ -7,11 +7,14 @@ A subprocess plays the first kernel; this test process plays the next one."""
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -111,3 +114,46 @@ def test_keep_alive_passes_and_the_job_ends_then_reattach_says_it_ended(cluster,
         nbdist.reattach(progress=False)
     assert not handle_file.exists()
 
+
+
+def test_a_time_over_the_partitions_limit_is_refused_with_slurms_message(cluster, home):
+    with pytest.raises(NbdistError, match=r"SLURM refused the job: sbatch: error: Batch job "
+                                          r"submission failed: Requested time limit is invalid "
+                                          r"\(missing or exceeds some limit\)"):
+        nbdist.start(2, on="slurm", nodes=2, time="3:00:00", keep_alive="30m", progress=False,
+                     workdir=str(home / "jobs"))
+    assert cluster.jobs() == []
+
+
+def test_ctrl_c_while_a_filler_job_holds_the_nodes_cancels_the_waiting_job(cluster, home,
+                                                                           capsys):
+    filler = subprocess.run(["sbatch", "--parsable", "--nodes=2", "--ntasks-per-node=2",
+                             "--output=/dev/null", "--wrap", "sleep 600"], capture_output=True,
+                            text=True, timeout=30)
+    assert filler.returncode == 0, filler.stderr
+    filler = filler.stdout.strip().split(";")[0]
+    try:
+        def interrupt_once_pending():
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                mine = set(cluster.jobs()) - {filler}
+                if mine and cluster.state(mine.pop(), "%T %r") == "PENDING Resources":
+                    time.sleep(2.5)  # the wait shows it (read once a second)
+                    break
+                time.sleep(0.2)
+            os.kill(os.getpid(), signal.SIGINT)
+
+        timer = threading.Thread(target=interrupt_once_pending)
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            nbdist.start(2, on="slurm", nodes=2, timeout=30, workdir=str(home / "jobs"))
+        timer.join()
+        err = capsys.readouterr().err
+        assert "PENDING (Resources), waited " in err, err
+        assert "(Ctrl-C while its ranks were joining)" in err
+        assert cluster.jobs() == [filler]  # ours went; the filler still holds the nodes
+    finally:
+        subprocess.run(["scancel", filler], capture_output=True, timeout=30)
+    cluster.wait_empty(30.0)
+    for node in ("n1", "n2"):  # cancelling the filler left the nodes usable
+        cluster.wait_idle(node)
