@@ -97,7 +97,7 @@ def _stop_groups(groups) -> None:
             sys.stderr.flush()
 
 
-def _at_exit() -> None:
+def stop_for_exit() -> None:
     """At interpreter exit: stop every group, except those started with ``keep_alive``, whose
     ranks wait for :func:`nbdist.reattach` in a new kernel."""
     stopping = []
@@ -111,4 +111,4 @@ def _at_exit() -> None:
     _stop_groups(stopping)
 
 
-atexit.register(_at_exit)
+atexit.register(stop_for_exit)
