@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -122,13 +123,16 @@ def reattach_times(cfg, tmp):
 def main(argv=None):
     args = harness.arg_parser(__doc__, "bench_slurm_results.json").parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="nbdist-bench-slurm-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="nbdist-bench-slurm-")
+    try:
         started = _cluster(tmp)
         try:
             res = run(cfg, tmp)
         finally:
             if started:
                 subprocess.run(["bash", started[0], "stop", started[1]], capture_output=True)
+    finally:  # the stopped slurmctld may still write its state as the folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
     res["machine"] = harness.machine_info(config=cfg)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
