@@ -80,7 +80,7 @@ def await_controller(worker, hello) -> transport.Channel:
             continue
         SECONDS = extra.get("keep_alive") or None
         worker.channel = channel
-        channel.send(("ready", -1, dict(worker.info, reattached=True)))
+        channel.send(("ready", -1, dict(worker.ready_report, reattached=True)))
         _say(worker, "a new controller reattached")
         return channel
     _say(worker, f"no controller reattached within keep_alive ({SECONDS:g} s); exiting")

@@ -77,7 +77,7 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
         _flush_output()
         channel.send(("init_err", -1, _failure(exc, worker.rank)))
         pump.exit_now(3)
-    worker.info = info  # sent again to a controller that reattaches (keep_alive)
+    worker.ready_report = info  # sent again to a controller that reattaches (keep_alive)
     channel.send(("ready", -1, info))
     while True:
         try:
