@@ -19,6 +19,20 @@ def test_an_unknown_engine_and_a_bad_layout_are_usage_errors(shell, no_group):
         shell.run_line_magic("dist_start", "-n 3 --on slurm --nodes 2 --sbatch-arg=--mem=1G")
 
 
+def test_keep_alive_needs_an_engine_and_reattach_a_saved_group(shell, no_group, tmp_path,
+                                                               monkeypatch):
+    from nbdist import NbdistError
+
+    with pytest.raises(UsageError, match="--keep-alive: options of an engine that places the "
+                                         "ranks; add --on slurm"):
+        shell.run_line_magic("dist_start", "-n 2 --keep-alive 30m")
+    with pytest.raises(UsageError, match="keep_alive must be a duration"):
+        shell.run_line_magic("dist_start", "-n 2 --on slurm --nodes 2 --keep-alive soon")
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(NbdistError, match=r"reattach\(\): no saved nbdist group in "):
+        shell.run_line_magic("dist_start", "--reattach")
+
+
 def test_the_launcher_panel_lists_where_the_ranks_can_run(panels, monkeypatch):
     from traitlets import TraitError
 

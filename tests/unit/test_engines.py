@@ -78,6 +78,32 @@ def test_keep_alive_on_a_local_group_is_refused():
         nbdist.start(2, keep_alive="30m")
 
 
+def test_keep_alive_is_a_duration():
+    from nbdist.runtime.handles import keep_alive_seconds
+
+    assert [keep_alive_seconds(v) for v in ("30m", "90s", "2h", "1d", 45, 0.5, "10")] == \
+        [1800.0, 90.0, 7200.0, 86400.0, 45.0, 0.5, 10.0]
+    for bad in ("soon", 0, -3, "5 minutes", True):
+        with pytest.raises(ValueError, match=r"keep_alive must be a duration: seconds \(e\.g\. "
+                                             r"1800\) or a number with s, m, h or d \(e\.g\. "
+                                             rf"'30m', '2h'\), more than 0; got {bad!r}"):
+            nbdist.start(2, on="slurm", nodes=2, keep_alive=bad)
+
+
+def test_reattach_without_a_saved_handle_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(nbdist.NbdistError, match=r"reattach\(\): no saved nbdist group in .*\. A "
+                                                 r"group leaves one there when it is started "
+                                                 r"with keep_alive, e\.g\. nbdist\.start\(2, "
+                                                 r"on='slurm', keep_alive='30m'\)"):
+        nbdist.reattach()
+    (tmp_path / "nbdist-slurm-77.json").write_text('{"job": "77", "engine": "slurm"}')
+    with pytest.raises(nbdist.NbdistError, match=r"no saved nbdist group for job '12' in .* "
+                                                 r"\(there are handles for other jobs: "
+                                                 r"nbdist-slurm-77\.json\)"):
+        nbdist.reattach("12")
+
+
 @pytest.mark.parametrize("ws, nodes, per_node, expected", [
     (4, 2, None, (2, 2)), (4, None, 2, (2, 2)), (3, None, None, (1, 3)), (8, 2, 4, (2, 4))])
 def test_ranks_are_laid_out_evenly_on_the_nodes(ws, nodes, per_node, expected):

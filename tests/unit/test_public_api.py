@@ -15,7 +15,7 @@ API = {
         "GroupInterrupted", "Job", "JobPausedError", "Metrics", "NbdistError", "RankDiedError",
         "RemoteError", "Stacks",
         "attach", "available_backends", "current_group", "launch", "load_ipython_extension",
-        "log", "register_backend",
+        "log", "reattach", "register_backend",
         "resolve_backend", "start", "step", "stop_all", "unload_ipython_extension", "use_group",
     ],
     "nbdist.backends": [

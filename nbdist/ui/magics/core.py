@@ -24,7 +24,7 @@ from .syntax import check_cell, check_statement
 #: %dist_start's flags that are an engine's options (``--on slurm``), by option name
 ENGINE_FLAGS = {k: "--" + k.replace("_", "-") for k in (
     "nodes", "ntasks_per_node", "partition", "time", "account", "qos", "gres", "constraint",
-    "sbatch_arg")}
+    "sbatch_arg", "keep_alive")}
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
 
@@ -82,6 +82,12 @@ class DistMagics(NbdistMagics):
     @argument("--constraint", metavar="C", help="slurm: node features")
     @argument("--sbatch-arg", action="append", default=[], metavar="ARG",
               help="slurm: one more sbatch argument (repeat it: --sbatch-arg=--mem=8G)")
+    @argument("--keep-alive", metavar="T",
+              help="engine: the ranks outlive this kernel for T (30m, 2h, or seconds), for "
+                   "--reattach in the next one")
+    @argument("--reattach", nargs="?", const="", default=None, metavar="JOB",
+              help="take back the ranks a kernel that is gone started with --keep-alive (its "
+                   "newest saved group, or job JOB's)")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -91,6 +97,14 @@ class DistMagics(NbdistMagics):
         if current_group() is not None and current_group().state != "stopped":
             print(f"nbdist: a group is already running: {current_group()!r}; "
                   "change it with %dist_restart, or %dist_stop it first.")
+            return
+        if args.reattach is not None:
+            from ...runtime.engines import reattach
+
+            group = reattach(args.reattach or None)  # NbdistError says what is missing
+            _started.add(group)
+            use_group(group)
+            self._say_ready(group, "reattached")
             return
         engine = {k: v for k, v in vars(args).items() if k in ENGINE_FLAGS and v}
         if args.on == "local" and engine:
