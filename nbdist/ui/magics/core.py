@@ -24,7 +24,7 @@ from .syntax import check_cell, check_statement
 #: %dist_start's flags that are an engine's options (``--on slurm``), by option name
 ENGINE_FLAGS = {k: "--" + k.replace("_", "-") for k in (
     "nodes", "ntasks_per_node", "partition", "time", "account", "qos", "gres", "constraint",
-    "sbatch_arg")}
+    "sbatch_arg", "image", "namespace", "gpus", "service_account")}
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
 
@@ -71,7 +71,7 @@ class DistMagics(NbdistMagics):
               help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
                    "checked across ranks (not with DDP on torch 2.13); off (default)")
     @argument("--on", default="local", metavar="ENGINE",
-              help="where the ranks run: local (default), slurm, or a registered engine")
+              help="where the ranks run: local (default), slurm, k8s, or a registered engine")
     @argument("--nodes", type=_positive(int), metavar="N", help="engine: number of nodes")
     @argument("--ntasks-per-node", type=_positive(int), metavar="N", help="engine: ranks per node")
     @argument("--partition", metavar="P", help="slurm: the partition")
@@ -82,6 +82,10 @@ class DistMagics(NbdistMagics):
     @argument("--constraint", metavar="C", help="slurm: node features")
     @argument("--sbatch-arg", action="append", default=[], metavar="ARG",
               help="slurm: one more sbatch argument (repeat it: --sbatch-arg=--mem=8G)")
+    @argument("--image", metavar="IMAGE", help="k8s: the ranks' image (default: the notebook pod's)")
+    @argument("--namespace", metavar="NS", help="k8s: the namespace (default: the notebook pod's)")
+    @argument("--gpus", type=_positive(int), metavar="N", help="k8s: nvidia.com/gpu per pod")
+    @argument("--service-account", metavar="SA", help="k8s: the ranks' service account")
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -95,7 +99,7 @@ class DistMagics(NbdistMagics):
         engine = {k: v for k, v in vars(args).items() if k in ENGINE_FLAGS and v}
         if args.on == "local" and engine:
             raise UsageError(f"{', '.join(ENGINE_FLAGS[k] for k in engine)}: options of an "
-                             "engine that places the ranks; add --on slurm (or another engine).")
+                             "engine that places the ranks; add --on slurm, --on k8s (or another engine).")
         if "sbatch_arg" in engine:
             engine["sbatch_args"] = engine.pop("sbatch_arg")
         with self._usage(self.dist_start), option_names(START_OPTIONS):
