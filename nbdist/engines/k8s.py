@@ -55,7 +55,7 @@ class K8sEngine(Engine):
         """A :class:`K8sLauncher` for these options, checked (and the notebook's pod read)
         before anything is created."""
         fixed = _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env,
-                         python, ttl, active_deadline, keep_alive)
+                         python, ttl, active_deadline, keep_alive, image, listen)
         why = self.unusable()
         if why:
             raise ValueError(f"the engine 'k8s' cannot run here: {why}.")
@@ -92,7 +92,7 @@ def manifests(world_size: int, image: Optional[str] = None, namespace: Optional[
     (the group's id is made when it starts).
     """
     fixed = _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env,
-                     python, ttl, active_deadline, keep_alive)
+                     python, ttl, active_deadline, keep_alive, image, listen)
     api = None
     if image is None or namespace is None or k8s_api.own_namespace() is not None:
         why = k8s_api.missing()
@@ -156,8 +156,6 @@ def _context(api, image, namespace, listen) -> Tuple[str, str, Optional[Dict[str
                              "nbdist as this notebook.")
         containers = pod["spec"]["containers"]
         image = next((c for c in containers if c["name"] == "notebook"), containers[0])["image"]
-    if not isinstance(image, str) or not image:
-        raise ValueError(f"image must be a container image name, got {image!r}")
     namespace = namespace or (pod["metadata"]["namespace"] if pod else api.default_namespace())
     owner = None
     if pod is not None and pod["metadata"]["namespace"] == namespace:
@@ -175,7 +173,7 @@ def _context(api, image, namespace, listen) -> Tuple[str, str, Optional[Dict[str
 
 
 def _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env, python, ttl,
-             active_deadline, keep_alive) -> Dict[str, Any]:
+             active_deadline, keep_alive, image, listen) -> Dict[str, Any]:
     """The options checked (``ValueError``/``TypeError`` saying what was expected) and
     ``nodes``, ``per_node``, ``resources``, ``env`` worked out."""
     from .slurm import layout
@@ -201,9 +199,18 @@ def _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env
     if not isinstance(python, str) or not python:
         raise ValueError(f"python must be the interpreter's name or path in the image, got "
                          f"{python!r}")
-    if nodes is None:
-        per = gpus if gpus > 1 else 1
-        nodes = -(-world_size // per)  # a world_size that does not divide is refused below
+    if image is not None and (not isinstance(image, str) or not image):
+        raise ValueError(f"image must be a container image name, got {image!r}")
+    if listen is not None:
+        parse_listen(listen)
+    if nodes is None and gpus > 1:
+        if world_size % gpus:
+            raise ValueError(f"world_size={world_size} is not a multiple of gpus={gpus}: without "
+                             "nodes= every pod runs one rank per GPU. Pass nodes=, or a "
+                             f"world_size that is a multiple of {gpus}.")
+        nodes = world_size // gpus
+    elif nodes is None:
+        nodes = world_size
     nodes, per_node = layout(world_size, nodes, None)
     return {"nodes": nodes, "per_node": per_node, "env": dict(env or {}),
             "resources": dict(RESOURCES if resources is None else resources)}
