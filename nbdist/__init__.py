@@ -68,8 +68,9 @@ MOVED = {
     "nbdist.worker": "nbdist.runtime.worker",
     "nbdist.group": "nbdist.runtime.group",
     "nbdist.launcher": "nbdist.runtime.launcher",
-    # not moved but short: the SLURM engine as the docs name it, nbdist.slurm.start(...)
+    # not moved but short: the engines as the docs name them, nbdist.slurm.start(...), nbdist.k8s
     "nbdist.slurm": "nbdist.engines.slurm",
+    "nbdist.k8s": "nbdist.engines.k8s",
 }
 
 

@@ -25,7 +25,8 @@ ENTRY_POINT_GROUP = "nbdist.engines"  #: where third-party engines register
 #: options every engine's group takes, beside its own and the group's
 ENGINE_OPTIONS = ("keep_alive",)
 #: the engines nbdist brings (``"local"``: this machine's forkserver/spawn workers, built in here)
-BUILTIN = {"local": "", "slurm": "nbdist.engines.slurm:SlurmEngine"}
+BUILTIN = {"local": "", "slurm": "nbdist.engines.slurm:SlurmEngine",
+           "k8s": "nbdist.engines.k8s:K8sEngine"}
 
 
 def engine_targets() -> Dict[str, str]:

@@ -33,16 +33,27 @@ def test_keep_alive_needs_an_engine_and_reattach_a_saved_group(shell, no_group, 
         shell.run_line_magic("dist_start", "--reattach")
 
 
+def test_the_k8s_flags_reach_the_engine(shell, no_group):
+    with pytest.raises(UsageError, match="--image, --gpus: options of an engine that places the "
+                                         "ranks; add --on slurm, --on k8s"):
+        shell.run_line_magic("dist_start", "-n 2 --image nb:1 --gpus 2")
+    with pytest.raises(UsageError, match="world_size=2 is not a multiple of gpus=3"):
+        shell.run_line_magic("dist_start", "-n 2 --on k8s --image nb:1 --namespace team --gpus 3")
+
+
 def test_the_launcher_panel_lists_where_the_ranks_can_run(panels, monkeypatch):
     from traitlets import TraitError
 
     from nbdist.ui import launcher
 
     monkeypatch.setenv("PATH", "/nonexistent")  # no SLURM here, whatever the machine has
+    monkeypatch.setenv("KUBECONFIG", "/nonexistent")  # nor a Kubernetes cluster
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     ui = panels(launcher)
     assert ui._controls["where"].options == ("local",) and ui.where == "local"
     note = ui._notes.value
-    assert "engines not available here (1)" in note and "slurm: no sbatch on PATH" in note
+    assert "engines not available here (2)" in note and "slurm: no sbatch on PATH" in note
+    assert "k8s: no kubeconfig or in-cluster config" in note
     with pytest.raises(TraitError, match="the ranks cannot run on 'slurm': no sbatch on PATH"):
         ui.where = "slurm"
     with pytest.raises(TraitError, match="the ranks cannot run on 'ray': it is not an engine"):

@@ -46,7 +46,8 @@ def third_party(tmp_path, monkeypatch):
 def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no SLURM commands here, whatever the machine
     here = available_engines()
-    assert list(here)[:2] == ["local", "slurm"]  # built-in first; an entry point cannot replace one
+    assert list(here)[:3] == ["local", "slurm", "k8s"]  # built-in first; an entry point cannot
+    # replace one
     assert here["local"] is None
     assert here["slurm"] == "no sbatch on PATH"
     assert here["elsewhere"] == "elsewhere-client is not installed"
@@ -61,7 +62,7 @@ def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, 
 
 def test_an_unknown_engine_lists_the_engines():
     with pytest.raises(ValueError, match=r"unknown engine on='kubernetes'; the engines are: "
-                                         r"'local', 'slurm'.* entry-point group 'nbdist.engines'"):
+                                         r"'local', 'slurm', 'k8s'.* entry-point group 'nbdist.engines'"):
         nbdist.start(2, on="kubernetes")
 
 

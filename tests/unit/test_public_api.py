@@ -46,6 +46,7 @@ API = {
     ],
     "nbdist.engines": ["ENTRY_POINT_GROUP", "Engine", "available_engines"],
     "nbdist.engines.slurm": ["SlurmEngine", "start"],
+    "nbdist.engines.k8s": ["K8sEngine", "Manifests", "manifests", "start"],
     "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
                          "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "MeshPanel", "Watch", "bench_panel",

@@ -19,12 +19,9 @@ from ...runtime.advice import option_names
 from .base import (JOBS, START_OPTIONS, NbdistMagics, _positive, _rank, _rank_list, _seconds,
                    _show_figure, _start_seconds, _started, check_ranks, job_name, register_magics,
                    split_statement, usage)
+from .engine_flags import engine_arguments, engine_options
 from .syntax import check_cell, check_statement
 
-#: %dist_start's flags that are an engine's options (``--on slurm``), by option name
-ENGINE_FLAGS = {k: "--" + k.replace("_", "-") for k in (
-    "nodes", "ntasks_per_node", "partition", "time", "account", "qos", "gres", "constraint",
-    "sbatch_arg", "keep_alive")}
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
 
@@ -71,23 +68,11 @@ class DistMagics(NbdistMagics):
               help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
                    "checked across ranks (not with DDP on torch 2.13); off (default)")
     @argument("--on", default="local", metavar="ENGINE",
-              help="where the ranks run: local (default), slurm, or a registered engine")
-    @argument("--nodes", type=_positive(int), metavar="N", help="engine: number of nodes")
-    @argument("--ntasks-per-node", type=_positive(int), metavar="N", help="engine: ranks per node")
-    @argument("--partition", metavar="P", help="slurm: the partition")
-    @argument("--time", metavar="T", help="slurm: the job's time limit (1:00:00)")
-    @argument("--account", metavar="A", help="slurm: the account")
-    @argument("--qos", metavar="Q", help="slurm: the QOS")
-    @argument("--gres", metavar="G", help="slurm: generic resources (gpu:4)")
-    @argument("--constraint", metavar="C", help="slurm: node features")
-    @argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-              help="slurm: one more sbatch argument (repeat it: --sbatch-arg=--mem=8G)")
-    @argument("--keep-alive", metavar="T",
-              help="engine: the ranks outlive this kernel for T (30m, 2h, or seconds), for "
-                   "--reattach in the next one")
+              help="where the ranks run: local (default), slurm, k8s, or a registered engine")
     @argument("--reattach", nargs="?", const="", default=None, metavar="JOB",
               help="take back the ranks a kernel that is gone started with --keep-alive (its "
                    "newest saved group, or job JOB's)")
+    @engine_arguments
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -106,12 +91,7 @@ class DistMagics(NbdistMagics):
             use_group(group)
             self._say_ready(group, "reattached")
             return
-        engine = {k: v for k, v in vars(args).items() if k in ENGINE_FLAGS and v}
-        if args.on == "local" and engine:
-            raise UsageError(f"{', '.join(ENGINE_FLAGS[k] for k in engine)}: options of an "
-                             "engine that places the ranks; add --on slurm (or another engine).")
-        if "sbatch_arg" in engine:
-            engine["sbatch_args"] = engine.pop("sbatch_arg")
+        engine = engine_options(args)  # UsageError: engine options for a local group
         with self._usage(self.dist_start), option_names(START_OPTIONS):
             group = start(args.world_size, args.backend, args.device, args.timeout,
                           on=args.on, init_timeout=args.init_timeout, threads=args.threads,
