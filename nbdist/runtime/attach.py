@@ -133,6 +133,8 @@ class AttachLauncher(Launcher):
             listener.close()
             raise
         self._seen(ready)
+        if self.reattach_key:
+            say_lost_calls(ready)
         self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
                                  lambda cfg, rel: self._admission(ws, cfg, rel, False))
         if self.keep_alive:
@@ -143,10 +145,12 @@ class AttachLauncher(Launcher):
         """A keep_alive group: save what a new kernel needs to reattach (:mod:`.handles`)."""
         from . import handles
 
-        self.handle_path = handles.save(dict(
+        old, self.handle_path = self.handle_path, handles.save(dict(
             self.handle_fields(), engine=self.engine, address=[host, port], key=key.hex(),
             world_size=ws, timeout=float(opts["timeout"]), keep_alive=self.keep_alive,
             protect=self.protect, pid=os.getpid()))
+        if old != self.handle_path:  # reattached under another name: one handle per group
+            handles.remove(old)
         if self.progress:
             print(f"nbdist: the ranks outlive this kernel for {self.keep_alive:g} s (keep_alive); "
                   f"in a new kernel, nbdist.reattach() (or %dist_start --reattach) reconnects. "
@@ -283,6 +287,16 @@ def listen_again(address: Tuple[str, int]):
         raise NbdistError(f"reattach: cannot listen on {address[0]}:{address[1]}, where the ranks "
                           f"look for their controller ({err}). Is another kernel attached to "
                           "them, or did another program take the port?") from None
+
+
+def say_lost_calls(ranks: List[Rank]) -> None:
+    """Reattached ranks that were running a call when their kernel went: its result is lost."""
+    lost = [r.rank for r in ranks if (r.info or {}).get("lost_call") is not None]
+    if lost:
+        print(f"nbdist: {ranks_phrase(lost)} {'was' if len(lost) == 1 else 'were'} running a call when the kernel that sent it "
+              "went; it ran to its end with no kernel to answer, so its result (its value or "
+              "its error) is lost and its output went to the job's log. The variables it set "
+              "are on the ranks.", file=sys.stderr)
 
 
 def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> BackendChoice:
