@@ -117,6 +117,7 @@ class AttachLauncher(Launcher):
                       "keep_alive": self.keep_alive, "store_on_rank0": bool(self.keep_alive),
                       "env": dict(opts["env"] or {}, **debug_env(opts["debug"]))}
             admission = self._admission(ws, config, relay, self.progress)
+            admission.reattaching = bool(self.reattach_key)
             ranks: Dict[int, Rank] = {}
             try:
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
@@ -264,7 +265,14 @@ class _Remote(Admission):
             return False
         return True
 
+    reattaching = False  #: ranks that outlived a kernel come back (nbdist.reattach)
+
     def timed_out(self, missing, ranks, timeout):
+        if self.reattaching:
+            return (f"reattach: {ranks_phrase(missing)} did not come back within {timeout:.0f} s; "
+                    f"{len(ranks)} of {self.world_size} connected. A rank still running the call "
+                    "it had when its kernel died comes back once that call ends: reattach() "
+                    "again (the ranks wait on), or with a longer join_timeout.")
         return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
                 f"{self.world_size} connected. Check that the launcher command ran on every node "
                 "and can reach this address.")

@@ -18,7 +18,7 @@ import pytest
 from here_engine import HERE, alive, end, register, wait_gone
 
 import nbdist
-from nbdist.errors import NbdistError
+from nbdist.errors import DistTimeoutError, NbdistError
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]
@@ -87,6 +87,13 @@ def test_a_kernel_killed_during_a_call_the_ranks_finish_it_and_reattach_says_its
                                               r"another kernel attached to them, or did another "
                                               r"program take the port\?"):
             nbdist.reattach(progress=False, join_timeout=30)
+    # the ranks are still in the call: they come back only once it ends
+    with pytest.raises(DistTimeoutError, match=r"reattach: ranks 0, 1 did not come back within "
+                                               r"2 s; 0 of 2 connected\. A rank still running "
+                                               r"the call it had when its kernel died comes back "
+                                               r"once that call ends: reattach\(\) again \(the "
+                                               r"ranks wait on\), or with a longer join_timeout\."):
+        nbdist.reattach(progress=False, join_timeout=2)
     assert handle_file.exists() and len(alive(handle["pids"])) == 2  # nothing lost by trying
     (tmp_path / "job" / "go").touch()  # the call running since before the kernel died ends
     g = nbdist.reattach(progress=False, join_timeout=60)
