@@ -117,6 +117,7 @@ class AttachLauncher(Launcher):
                       "keep_alive": self.keep_alive, "store_on_rank0": bool(self.keep_alive),
                       "env": dict(opts["env"] or {}, **debug_env(opts["debug"]))}
             admission = self._admission(ws, config, relay, self.progress)
+            admission.reattaching = bool(self.reattach_key)
             ranks: Dict[int, Rank] = {}
             try:
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
@@ -133,6 +134,8 @@ class AttachLauncher(Launcher):
             listener.close()
             raise
         self._seen(ready)
+        if self.reattach_key:
+            say_lost_calls(ready)
         self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
                                  lambda cfg, rel: self._admission(ws, cfg, rel, False))
         if self.keep_alive:
@@ -143,10 +146,12 @@ class AttachLauncher(Launcher):
         """A keep_alive group: save what a new kernel needs to reattach (:mod:`.handles`)."""
         from . import handles
 
-        self.handle_path = handles.save(dict(
+        old, self.handle_path = self.handle_path, handles.save(dict(
             self.handle_fields(), engine=self.engine, address=[host, port], key=key.hex(),
             world_size=ws, timeout=float(opts["timeout"]), keep_alive=self.keep_alive,
             protect=self.protect, pid=os.getpid()))
+        if old != self.handle_path:  # reattached under another name: one handle per group
+            handles.remove(old)
         if self.progress:
             print(f"nbdist: the ranks outlive this kernel for {self.keep_alive:g} s (keep_alive); "
                   f"in a new kernel, nbdist.reattach() (or %dist_start --reattach) reconnects. "
@@ -260,7 +265,14 @@ class _Remote(Admission):
             return False
         return True
 
+    reattaching = False  #: ranks that outlived a kernel come back (nbdist.reattach)
+
     def timed_out(self, missing, ranks, timeout):
+        if self.reattaching:
+            return (f"reattach: {ranks_phrase(missing)} did not come back within {timeout:.0f} s; "
+                    f"{len(ranks)} of {self.world_size} connected. A rank still running the call "
+                    "it had when its kernel died comes back once that call ends: reattach() "
+                    "again (the ranks wait on), or with a longer join_timeout.")
         return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
                 f"{self.world_size} connected. Check that the launcher command ran on every node "
                 "and can reach this address.")
@@ -283,6 +295,16 @@ def listen_again(address: Tuple[str, int]):
         raise NbdistError(f"reattach: cannot listen on {address[0]}:{address[1]}, where the ranks "
                           f"look for their controller ({err}). Is another kernel attached to "
                           "them, or did another program take the port?") from None
+
+
+def say_lost_calls(ranks: List[Rank]) -> None:
+    """Reattached ranks that were running a call when their kernel went: its result is lost."""
+    lost = [r.rank for r in ranks if (r.info or {}).get("lost_call") is not None]
+    if lost:
+        print(f"nbdist: {ranks_phrase(lost)} {'was' if len(lost) == 1 else 'were'} running a call when the kernel that sent it "
+              "went; it ran to its end with no kernel to answer, so its result (its value or "
+              "its error) is lost and its output went to the job's log. The variables it set "
+              "are on the ranks.", file=sys.stderr)
 
 
 def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> BackendChoice:

@@ -122,9 +122,11 @@ def reattach(job: Optional[str] = None, *, join_timeout: float = 30.0, progress:
 
     path, handle = handles.load(job)
     cls = load_engine(handle["engine"])
+    cannot = NbdistError(f"reattach(): the engine {handle['engine']!r} of {path} cannot reattach "
+                         "(it does not implement Engine.reattach and Engine.ended). Remove that "
+                         "handle and start a new group.")
     if cls is None or not hasattr(cls, "reattach") or not hasattr(cls, "ended"):
-        raise NbdistError(f"reattach(): the engine {handle['engine']!r} of {path} cannot "
-                          "reattach.")
+        raise cannot
     ended = cls.ended(handle)
     if ended:
         handles.remove(path)
@@ -132,7 +134,10 @@ def reattach(job: Optional[str] = None, *, join_timeout: float = 30.0, progress:
                           f"their variables are gone (handle {path} removed). Start a new group, "
                           f"e.g. nbdist.start({handle.get('world_size', 2)}, "
                           f"on={handle['engine']!r}, keep_alive='30m').")
-    launcher = cls().reattach(handle, join_timeout=join_timeout, progress=progress)
+    try:
+        launcher = cls().reattach(handle, join_timeout=join_timeout, progress=progress)
+    except NotImplementedError:  # Engine's own: the engine did not say how
+        raise cannot from None
     launcher.engine, launcher.keep_alive = handle["engine"], float(handle["keep_alive"])
     launcher.reattach_key = bytes.fromhex(handle["key"])
     launcher.handle_path = path

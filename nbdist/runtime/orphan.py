@@ -6,7 +6,8 @@ config sets :data:`SECONDS` -- the rank keeps its process, its variables and its
 state for that long:
 
 * the watchdog points fds 1 and 2 at the launcher's log (the job's output file), so code still
-  running prints there instead of into a closed connection (:func:`lost`);
+  running prints there instead of into a closed connection, and notes that a call was running
+  (:func:`lost`): its result is lost, and the next controller is told so (``lost_call``);
 * the main thread, once its channel fails, tries every :data:`POLL` s to connect to the same
   address with the same key (:func:`await_controller`): ``nbdist.reattach()`` in a new kernel
   listens there. It answers the new controller's config with the ``ready`` report it sent first,
@@ -44,6 +45,8 @@ def lost(worker, lifeline) -> None:
     log until a new controller connects (unless a newer connection already replaced it)."""
     if lifeline is not worker.lifeline:
         return  # a try of await_controller that failed: the current streams are someone else's
+    if worker.interrupts.running is not None:  # its result has no kernel to go to: say so later
+        worker.lost_call = worker.interrupts.running
     log = getattr(worker, "launcher_stderr", None)
     if log is not None:
         for fd in (1, 2):
@@ -80,7 +83,10 @@ def await_controller(worker, hello) -> transport.Channel:
             continue
         SECONDS = extra.get("keep_alive") or None
         worker.channel = channel
-        channel.send(("ready", -1, dict(worker.ready_report, reattached=True)))
+        lost_call = getattr(worker, "lost_call", None)
+        channel.send(("ready", -1, dict(worker.ready_report, reattached=True,
+                                        lost_call=lost_call)))
+        worker.lost_call = None
         _say(worker, "a new controller reattached")
         return channel
     _say(worker, f"no controller reattached within keep_alive ({SECONDS:g} s); exiting")

@@ -2,6 +2,7 @@
 through real installation metadata (a ``.dist-info`` on ``sys.path``), and the bad input that is
 refused before anything is submitted -- none of these start a process or need SLURM."""
 import importlib.metadata
+import json
 import sys
 
 import pytest
@@ -29,6 +30,18 @@ class ElsewhereEngine(Engine):
         return LocalLauncher()
 
 
+class PlainEngine(Engine):
+    """A third-party engine that places its ranks with a plain launcher (not an AttachLauncher),
+    and does not implement reattach."""
+
+    name = "plain"
+
+    def launcher(self, world_size):
+        from nbdist.runtime.launcher import LocalLauncher
+
+        return LocalLauncher()
+
+
 @pytest.fixture
 def third_party(tmp_path, monkeypatch):
     """A package installed with an entry point in group ``nbdist.engines`` (and one that breaks)."""
@@ -37,7 +50,8 @@ def third_party(tmp_path, monkeypatch):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: elsewhere-engine\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
         f"[{ENTRY_POINT_GROUP}]\nelsewhere = test_engines:ElsewhereEngine\n"
-        "broken = no_such_module_here:Engine\nslurm = test_engines:ElsewhereEngine\n")
+        "broken = no_such_module_here:Engine\nslurm = test_engines:ElsewhereEngine\n"
+        "plain = test_engines:PlainEngine\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield
@@ -77,6 +91,29 @@ def test_an_option_the_engine_does_not_take_names_what_it_takes():
 def test_keep_alive_on_a_local_group_is_refused():
     with pytest.raises(ValueError, match="keep_alive is for groups an engine launched"):
         nbdist.start(2, keep_alive="30m")
+
+
+def test_keep_alive_on_an_engine_whose_launcher_cannot_keep_the_ranks_is_refused(third_party):
+    with pytest.raises(ValueError, match=r"keep_alive: the engine 'plain' places its ranks with "
+                                         r"a launcher that cannot keep them past this kernel \(it "
+                                         r"is not an AttachLauncher\); drop keep_alive\."):
+        nbdist.start(2, on="plain", keep_alive="30m")
+
+
+@pytest.mark.parametrize("engine", ["local", "plain"])  # no engine class; no Engine.reattach
+def test_reattach_to_a_handle_whose_engine_cannot_reattach_says_so(third_party, tmp_path,
+                                                                   monkeypatch, engine):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    handle = tmp_path / f"nbdist-{engine}-5.json"
+    handle.write_text(json.dumps({"job": "5", "engine": engine, "address": ["127.0.0.1", 9],
+                                  "key": "00", "world_size": 2, "keep_alive": 60}))
+    with pytest.raises(nbdist.NbdistError, match=rf"reattach\(\): the engine '{engine}' of "
+                                                 rf".*nbdist-{engine}-5\.json cannot reattach "
+                                                 r"\(it does not implement Engine\.reattach and "
+                                                 r"Engine\.ended\)\. Remove that handle and "
+                                                 r"start a new group\."):
+        nbdist.reattach()
+    assert handle.exists()  # the user's to remove, as the message says
 
 
 def test_keep_alive_is_a_duration():
