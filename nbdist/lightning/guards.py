@@ -228,14 +228,14 @@ def _patch(pl: str) -> None:
     parallel = importlib.import_module(pl + ".strategies").ParallelStrategy
     script = importlib.import_module(pl + ".strategies.launchers.subprocess_script")
     env_cls = _environment_class(_FABRIC_OF[pl])
+    env_base = env_cls.__bases__[-1]  # Lightning's ClusterEnvironment
     cls = connector._AcceleratorConnector
     choose, lazy_init = cls._choose_and_init_cluster_environment, cls._lazy_init_strategy
 
     def _choose_and_init_cluster_environment(self):
-        env = choose(self)
-        if env is self._cluster_environment_flag or not _in_group():
-            return env  # the caller's own plugin wins; outside a group nothing changes
-        return env_cls()
+        if isinstance(self._cluster_environment_flag, env_base) or not _in_group():
+            return choose(self)  # the caller's own plugin wins; outside a group nothing changes
+        return env_cls()  # no detection: SLURM's told a rank with srun on its PATH to use srun
 
     def _lazy_init_strategy(self):
         lazy_init(self)  # sets world ranks (NbdistEnvironment checks the size) and the launcher
