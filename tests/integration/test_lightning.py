@@ -334,9 +334,9 @@ def test_fit_in_the_background_streams_what_the_module_logs(g, nb, tmp_path):
 
 
 def test_no_slurm_hint_on_a_rank_with_srun_on_its_path(g, tmp_path):
-    """The group is the cluster environment: Lightning's own detection is not run on the ranks,
-    so a machine with ``srun`` installed does not get SLURM's "prepend your python command with
-    srun" warning under every fit (tutorial 05 showed it, issue 35's review)."""
+    """The group is the cluster environment: a machine with ``srun`` installed does not get
+    SLURM's "prepend your python command with srun" warning on the ranks, which Lightning checks
+    when it builds a Trainer and again at every fit (tutorial 05 showed it, issue 35's review)."""
     fake = tmp_path / "srun"
     fake.write_text("#!/bin/sh\nexit 0\n")
     fake.chmod(0o755)
@@ -346,7 +346,9 @@ def test_no_slurm_hint_on_a_rank_with_srun_on_its_path(g, tmp_path):
         "try:\n"
         "    with warnings.catch_warnings(record=True) as seen:\n"
         "        warnings.simplefilter('always')\n"
-        f"        trainer = pl.Trainer(strategy='ddp', devices=2, {TRAINER})\n"
+        f"        trainer = pl.Trainer(strategy='ddp', devices=2, {TRAINER}, "
+        "enable_progress_bar=False)\n"
+        "        trainer.fit(Toy(), make_data())\n"
         "finally:\n    os.environ['PATH'] = old\n"
         "(type(trainer.strategy.cluster_environment).__name__, "
         "[str(w.message) for w in seen if 'srun' in str(w.message)])")
