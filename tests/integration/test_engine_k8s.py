@@ -94,8 +94,8 @@ def test_ranks_from_the_job_join_with_the_key_from_the_secret_and_stop_deletes_i
                 {"apiVersion": "batch/v1", "kind": "Job", "name": name,
                  "uid": job["metadata"]["uid"]}]
         # created suspended, resumed once the Secret and the Service existed
-        assert [r.data for r in cluster.requests("patch", f"/jobs/{name}")][0] == \
-            {"spec": {"suspend": False}}
+        assert [r.data for r in cluster.requests("patch", f"/jobs/{name}")
+                if str(r.url.path).endswith(name)][0] == {"spec": {"suspend": False}}
         env = g.exec("import os\n[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
                      "'LOCAL_WORLD_SIZE', 'GROUP_RANK')]")
         assert env == [["0", "0", "2", "1", "0"], ["1", "0", "2", "1", "1"]]
@@ -152,10 +152,11 @@ def test_the_wait_shows_the_schedulers_reason_and_ctrl_c_deletes_everything(clus
 def test_a_preflight_that_cannot_connect_names_the_usual_causes(cluster):
     blocked = Controller(cluster, blocked=True)
     try:
-        with pytest.raises(NbdistError, match=r"(?s)the preflight pod team/nbdist-\w+-preflight "
-                                              r"could not connect back to this notebook at "
-                                              r"127.0.0.1:\d+ \(Error, exit code 1\); no Job was "
-                                              r"created.*cannot reach the notebook.*"
+        with pytest.raises(NbdistError, match=r"(?s)the preflight Job team/nbdist-\w+-preflight "
+                                              r"\(pod nbdist-\w+-preflight-0-x0\) could not "
+                                              r"connect back to this notebook at 127.0.0.1:\d+ "
+                                              r"\(Error, exit code 1\); no Job was created for "
+                                              r"the ranks.*cannot reach the notebook.*"
                                               r"singleuser.networkPolicy.*Istio sidecar"):
             nbdist.start(2, on="k8s", timeout=30, progress=False)
     finally:
