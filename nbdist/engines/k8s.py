@@ -2,7 +2,7 @@
 
 ``nbdist.k8s.start(4, gpus=1)`` (or ``nbdist.start(4, on="k8s", ...)``, or ``%dist_start -n 4
 --on k8s``) creates a Secret with the group key, a headless Service and an Indexed Job
-(:mod:`.k8s_manifests`) after a preflight pod checked that pods reach the notebook; every pod runs
+(:mod:`.k8s_manifests`) after a preflight Job checked that pods reach the notebook; every pod runs
 ``python -m nbdist.worker --connect`` and its ranks join the notebook as an attached group's do.
 ``nbdist.k8s.manifests(...)`` returns the same objects without creating anything, to review them
 (or keep them) first. In a notebook that runs in a pod, the image and the namespace default to the
@@ -171,7 +171,7 @@ def start(world_size: int, image: Optional[str] = None, namespace: Optional[str]
     on the image's PATH: it needs the same Python, torch and nbdist as the notebook), torchrun's
     variables, ``env``, and the group key read from a Secret mounted read-only. The ranks dial
     ``listen`` (``"IP:PORT"``; default the notebook pod's IP, port chosen by the system); a
-    preflight pod checks that first (``preflight=False`` skips it).
+    preflight Job's pod checks that first (``preflight=False`` skips it).
 
     While pods wait the cell shows them (Pending with the scheduler's reason, ImagePullBackOff...);
     Ctrl-C deletes everything created, and so do ``stop()`` and the kernel's exit. A killed kernel

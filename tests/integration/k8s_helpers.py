@@ -10,7 +10,7 @@
   ``python`` in a pod is this interpreter, as an image with nbdist would have it. Pods that ended
   get their phase and exit code; a deleted Job takes its pods (and their processes) with it.
   ``run=False`` leaves pods Pending with the scheduler's message instead; ``blocked=True`` makes
-  the preflight pod dial a port nothing listens on, as a NetworkPolicy would drop it.
+  the preflight Job's pod dial a port nothing listens on, as a NetworkPolicy would drop it.
 """
 import asyncio
 import base64

@@ -150,6 +150,8 @@ def test_without_image_and_namespace_the_cluster_is_needed(monkeypatch, tmp_path
                                          "kubeconfig or in-cluster config"):
         nbdist.k8s.manifests(2)
     assert nbdist.engines.available_engines()["k8s"] == "no kubeconfig or in-cluster config"
+    assert nbdist.engines.k8s.K8sEngine.ended({"namespace": "n", "job": "j"}) == \
+        "Kubernetes is not reachable here: no kubeconfig or in-cluster config"
     with pytest.raises(ValueError, match="the engine 'k8s' cannot run here: no kubeconfig"):
         nbdist.start(2, on="k8s", image="i")
 
