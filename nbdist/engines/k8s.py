@@ -2,7 +2,7 @@
 
 ``nbdist.k8s.start(4, gpus=1)`` (or ``nbdist.start(4, on="k8s", ...)``, or ``%dist_start -n 4
 --on k8s``) creates a Secret with the group key, a headless Service and an Indexed Job
-(:mod:`.k8s_manifests`) after a preflight pod checked that pods reach the notebook; every pod runs
+(:mod:`.k8s_manifests`) after a preflight Job checked that pods reach the notebook; every pod runs
 ``python -m nbdist.worker --connect`` and its ranks join the notebook as an attached group's do.
 ``nbdist.k8s.manifests(...)`` returns the same objects without creating anything, to review them
 (or keep them) first. In a notebook that runs in a pod, the image and the namespace default to the
@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
+from ..errors import NbdistError
 from ..runtime.attach import parse_listen
 from . import k8s_api
 from .base import Engine
@@ -23,9 +24,8 @@ __all__ = ["K8sEngine", "Manifests", "manifests", "start"]
 
 RESOURCES = {"cpu": "2", "memory": "8Gi"}  #: each pod's requests by default
 TTL = 600  #: s a finished Job (and its Secret, Service) stays before Kubernetes deletes it
-ACTIVE_DEADLINE = 24 * 3600  #: s after which Kubernetes ends the Job whatever happens
-KEEP_ALIVE_REFUSAL = ("keep_alive is not built yet for on='k8s': the ranks end with their kernel "
-                      "(reattach() comes with the engine-agnostic keep_alive). Drop keep_alive.")
+#: s after which Kubernetes ends the Job whatever happens (plus ``keep_alive`` when given)
+ACTIVE_DEADLINE = 24 * 3600
 
 
 class K8sEngine(Engine):
@@ -49,7 +49,7 @@ class K8sEngine(Engine):
                  tolerations: Optional[List[Mapping[str, Any]]] = None,
                  service_account: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
                  keep_alive=None, python: str = "python", listen: Optional[str] = None,
-                 ttl: int = TTL, active_deadline: int = ACTIVE_DEADLINE, preflight: bool = True,
+                 ttl: int = TTL, active_deadline: Optional[int] = None, preflight: bool = True,
                  join_timeout: float = 24 * 3600.0, progress: bool = True,
                  protect: Optional[bool] = None) -> K8sLauncher:
         """A :class:`K8sLauncher` for these options, checked (and the notebook's pod read)
@@ -66,11 +66,55 @@ class K8sEngine(Engine):
         def plan(name: str, connect: str, key_hex: str) -> Manifests:
             return build(name, namespace, image, connect, world_size, fixed["nodes"],
                          fixed["per_node"], fixed["resources"], gpus, node_selector, tolerations,
-                         service_account, fixed["env"], owner, python, ttl, active_deadline,
+                         service_account, fixed["env"], owner, python, ttl, fixed["deadline"],
                          preflight, key_hex)
 
         return K8sLauncher(plan, api, address, fixed["per_node"], join_timeout, progress,
-                           protect, keep_alive)
+                           protect, fixed["keep_alive"])
+
+    @classmethod
+    def ended(cls, handle: Dict[str, Any]) -> str:
+        """``""`` while the handle's Job runs, else what Kubernetes says (``"Kubernetes Job
+        team/nbdist-ab12cd34 is Complete"``, ``"... no longer has Job ..."``)."""
+        why = k8s_api.missing()
+        if why:
+            return f"Kubernetes is not reachable here: {why}"
+        namespace, name = handle["namespace"], handle["job"]
+        job = _read_job(k8s_api.Api(), namespace, name)
+        if job is None:
+            return f"Kubernetes no longer has Job {namespace}/{name}"
+        for cond in (job.get("status") or {}).get("conditions") or []:
+            if cond.get("type") in ("Complete", "Failed") and cond.get("status") == "True":
+                said = ": ".join(str(cond[k]) for k in ("reason", "message") if cond.get(k))
+                return f"Kubernetes Job {namespace}/{name} is {cond['type']}" + (
+                    f" ({said})" if said else "")
+        return ""
+
+    def reattach(self, handle: Dict[str, Any], join_timeout: float,
+                 progress: bool) -> K8sLauncher:
+        """A :class:`K8sLauncher` that reconnects to the running Job of ``handle``: it listens on
+        the saved address (the notebook pod keeps its IP across kernel restarts) and, once
+        stopped, deletes the Job, its Secret and its Service as a started group's does."""
+        api = k8s_api.Api()
+        namespace, name = handle["namespace"], handle["job"]
+        job = _read_job(api, namespace, name) or {"metadata": {"name": name,
+                                                               "namespace": namespace}}
+        launcher = K8sLauncher(None, api, tuple(handle["address"]),
+                               int(handle.get("tasks_per_node") or 1), join_timeout, progress,
+                               bool(handle.get("protect")))
+        launcher.manifests = Manifests(None, None, job, None)
+        launcher.created = [("Job", namespace, name), ("Secret", namespace, f"{name}-key"),
+                            ("Service", namespace, name)]
+        return launcher
+
+
+def _read_job(api, namespace: str, name: str) -> Optional[Dict[str, Any]]:
+    try:
+        return api.job(namespace, name)
+    except (api.exception, OSError) as err:
+        raise NbdistError(f"reattach(): could not read Kubernetes Job {namespace}/{name} "
+                          f"({k8s_api._said(err) if hasattr(err, 'status') else err}): "
+                          f"{k8s_api.RBAC_HINT}.") from None
 
 
 def manifests(world_size: int, image: Optional[str] = None, namespace: Optional[str] = None,
@@ -79,7 +123,7 @@ def manifests(world_size: int, image: Optional[str] = None, namespace: Optional[
               tolerations: Optional[List[Mapping[str, Any]]] = None,
               service_account: Optional[str] = None, env: Optional[Mapping[str, str]] = None,
               keep_alive=None, *, python: str = "python", listen: Optional[str] = None,
-              ttl: int = TTL, active_deadline: int = ACTIVE_DEADLINE, preflight: bool = True,
+              ttl: int = TTL, active_deadline: Optional[int] = None, preflight: bool = True,
               name: str = "nbdist-preview") -> Manifests:
     """The objects :func:`start` would create for these options, created nowhere: a
     :class:`Manifests` (``.job``, ``.service``, ``.secret``, ``.preflight`` as dicts, ``.yaml``).
@@ -105,7 +149,7 @@ def manifests(world_size: int, image: Optional[str] = None, namespace: Optional[
     port = parse_listen(listen)[1] if listen else 0
     return build(name, namespace, image, f"{host}:{port or 'PORT'}", world_size, fixed["nodes"],
                  fixed["per_node"], fixed["resources"], gpus, node_selector, tolerations,
-                 service_account, fixed["env"], owner, python, ttl, active_deadline, preflight)
+                 service_account, fixed["env"], owner, python, ttl, fixed["deadline"], preflight)
 
 
 def start(world_size: int, image: Optional[str] = None, namespace: Optional[str] = None,
@@ -127,13 +171,19 @@ def start(world_size: int, image: Optional[str] = None, namespace: Optional[str]
     on the image's PATH: it needs the same Python, torch and nbdist as the notebook), torchrun's
     variables, ``env``, and the group key read from a Secret mounted read-only. The ranks dial
     ``listen`` (``"IP:PORT"``; default the notebook pod's IP, port chosen by the system); a
-    preflight pod checks that first (``preflight=False`` skips it).
+    preflight Job's pod checks that first (``preflight=False`` skips it).
 
     While pods wait the cell shows them (Pending with the scheduler's reason, ImagePullBackOff...);
     Ctrl-C deletes everything created, and so do ``stop()`` and the kernel's exit. A killed kernel
     ends the ranks too (they exit on a lost controller); the Job's ``ttl`` (s) then removes it,
-    its Secret and its Service; ``active_deadline`` (s) bounds the whole run. ``keep_alive`` is
-    accepted for the coming reattach() and refused until then. Other options are the group's
+    its Secret and its Service; ``active_deadline`` (s, default 24 h plus ``keep_alive``) bounds
+    the whole run.
+
+    ``keep_alive`` (``"30m"``, or seconds) keeps the Job's ranks, their variables and their
+    process group alive that long after this kernel dies or restarts (the Job is then not
+    deleted at the kernel's exit): ``nbdist.reattach()`` in a new kernel of the same notebook pod
+    reconnects to them; with no kernel for that long they exit and the Job completes (its TTL
+    removes it). Deleting the notebook pod still deletes the ranks. Other options are the group's
     (:class:`~nbdist.Group`); ``restart()`` is refused (start a new Job).
     """
     from ..runtime.engines import start_on
@@ -178,8 +228,9 @@ def _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env
     ``nodes``, ``per_node``, ``resources``, ``env`` worked out."""
     from .slurm import layout
 
-    if keep_alive is not None:
-        raise ValueError(KEEP_ALIVE_REFUSAL)
+    from ..runtime.handles import keep_alive_seconds
+    from .k8s_manifests import deadline
+
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 0:
@@ -194,6 +245,8 @@ def _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env
         raise TypeError("tolerations must be a list of dicts, e.g. [{'key': 'nvidia.com/gpu', "
                         f"'operator': 'Exists', 'effect': 'NoSchedule'}}], got {tolerations!r}")
     for what, value in (("ttl", ttl), ("active_deadline", active_deadline)):
+        if value is None and what == "active_deadline":
+            continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{what} must be a positive int of seconds, got {value!r}")
     if not isinstance(python, str) or not python:
@@ -212,5 +265,8 @@ def _checked(world_size, resources, gpus, nodes, node_selector, tolerations, env
     elif nodes is None:
         nodes = world_size
     nodes, per_node = layout(world_size, nodes, None)
+    keep_alive = keep_alive_seconds(keep_alive)
     return {"nodes": nodes, "per_node": per_node, "env": dict(env or {}),
+            "keep_alive": keep_alive,
+            "deadline": deadline(active_deadline, keep_alive, ACTIVE_DEADLINE),
             "resources": dict(RESOURCES if resources is None else resources)}

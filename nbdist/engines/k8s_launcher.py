@@ -1,13 +1,17 @@
 """The launch of a Kubernetes group: listen, preflight, create the objects, show the wait, admit.
 
 :class:`K8sLauncher` is an :class:`~nbdist.runtime.attach.AttachLauncher` that starts the ranks
-itself. Once the listener and the key are ready it runs the preflight pod (a TCP connection from
-where the ranks will run back to the notebook) and waits for it with its state shown; then it
+itself. Once the listener and the key are ready it runs the preflight Job (one pod: a TCP
+connection from where the ranks will run back to the notebook) and waits for it with its state
+shown; then it
 creates the Job suspended, the key's Secret and the headless Service (both owned by the Job), and
 resumes the Job. The ``nbdist-k8s-wait`` thread reads the pods once a second and shows them
 (Pending with the scheduler's reason, ImagePullBackOff...); a pod or the Job that fails before the
 ranks joined wakes the admission with Kubernetes' reason and the pod's last lines. Ctrl-C,
-``stop()`` and the kernel's exit delete everything created (foreground propagation).
+``stop()`` and the kernel's exit delete everything created (foreground propagation) -- except
+at the exit of a kernel whose group has ``keep_alive``: its Job waits for ``nbdist.reattach()``,
+whose launcher (:meth:`K8sEngine.reattach <nbdist.engines.k8s.K8sEngine.reattach>`) deletes it
+all when stopped.
 """
 from __future__ import annotations
 
@@ -79,7 +83,7 @@ class K8sLauncher(AttachLauncher):
                 "notebook and that its pods reach the notebook at "
                 f"{self.address[0]}: docs/multinode.md, \"Kubernetes\".") from None
         except BaseException as err:
-            if self.created and self.progress:
+            if self.created and self.progress and not self.letting_go:
                 why = "Ctrl-C" if isinstance(err, KeyboardInterrupt) else type(err).__name__
                 print(f"nbdist: deleted Kubernetes Job {self.manifests.name} and what it "
                       f"needed ({why} while its ranks were joining).", file=sys.stderr)
@@ -91,7 +95,13 @@ class K8sLauncher(AttachLauncher):
                 self._wait = None
 
     def listening(self, host, port, world_size):
-        """Preflight, then create the Job (suspended), its Secret and Service, and resume it."""
+        """Preflight, then create the Job (suspended), its Secret and Service, and resume it;
+        when reattaching, say which Job's ranks are awaited."""
+        if self.reattach_key:
+            if self.progress:
+                print(f"nbdist: reattaching to Kubernetes Job {self.manifests.namespace}/"
+                      f"{self.manifests.name}: its {world_size} ranks connect to {host}:{port}.")
+            return
         with open(self.key_file, encoding="ascii") as f:
             key_hex = f.read().strip()
         m = self.manifests = self.plan(f"nbdist-{self.group_id}", f"{host}:{port}", key_hex)
@@ -113,26 +123,29 @@ class K8sLauncher(AttachLauncher):
         self._wait = _Wait(self.api, m, world_size, self.progress)
 
     def _preflight(self, m: Manifests) -> None:
-        """Run the preflight pod to its end (its state shown); :class:`NbdistError` naming the
-        usual causes when it could not connect."""
+        """Run the preflight Job's pod to its end (its state shown), then delete the Job;
+        :class:`NbdistError` naming the usual causes when it could not connect."""
         name = m.preflight["metadata"]["name"]
         self.api.create(m.preflight)
-        self.created.append(("Pod", m.namespace, name))
+        self.created.append(("Job", m.namespace, name))
         wait = _Wait(self.api, m, 1, self.progress, pod=name)
         try:
             wait.done.wait(self.join_timeout)
         finally:
             wait.close()
         phase = wait.phase
-        said = self.api.log(m.namespace, name) if phase != "Succeeded" else ""
-        self.api.delete("Pod", m.namespace, name)
-        self.created.remove(("Pod", m.namespace, name))
+        said = self.api.log(m.namespace, wait.pod_name) if phase != "Succeeded" and \
+            wait.pod_name else ""
+        self.api.delete("Job", m.namespace, name)
+        self.created.remove(("Job", m.namespace, name))
         if phase == "Succeeded":
             return
+        port = m.preflight["spec"]["template"]["spec"]["containers"][0]["command"][-1]
         raise NbdistError(
-            f"the preflight pod {m.namespace}/{name} could not connect back to this notebook at "
-            f"{self.address[0]}:{m.preflight['spec']['containers'][0]['command'][-1]} "
-            f"({wait.ended or phase}); no Job was created."
+            f"the preflight Job {m.namespace}/{name}"
+            + (f" (pod {wait.pod_name})" if wait.pod_name else "")
+            + f" could not connect back to this notebook at {self.address[0]}:{port} "
+            f"({wait.ended or phase}); no Job was created for the ranks."
             + (f"\n--- the preflight pod said ---\n{said}" if said else "") + "\n" + CAUSES)
 
     def _admission(self, ws, config, relay, progress):
@@ -155,11 +168,20 @@ class K8sLauncher(AttachLauncher):
                              f"{phase or 'being deleted'}: {k8s_api.ended_reason(pod)}")
         return "; ".join(parts)
 
+    def handle_fields(self):
+        """The Job, its namespace and the pods' layout, saved for ``nbdist.reattach()``."""
+        return {"job": self.manifests.name, "namespace": self.manifests.namespace,
+                "tasks_per_node": self.nproc_per_node}
+
     def close(self, deadline=None) -> None:
-        """Delete everything created (Job, Secret, Service, a preflight pod; foreground
-        propagation), once; then as :meth:`AttachLauncher.close`."""
+        """Delete everything created (Job, Secret, Service, a preflight Job; foreground
+        propagation), once -- but nothing after a reattach that got no ranks (they wait on);
+        then as :meth:`AttachLauncher.close`."""
+        letting_go = self.letting_go
         super().close(deadline)
         created, self.created = self.created, []
+        if letting_go:
+            return
         for kind, namespace, name in reversed(created):
             try:
                 self.api.delete(kind, namespace, name)
@@ -226,12 +248,14 @@ class K8sProcess(RemoteProcess):
 class _Wait:
     """The pods' state while the ranks are not all there, read once a second on
     ``nbdist-k8s-wait`` and shown; :attr:`wake` turns readable if the Job fails first. With
-    ``pod`` it follows that one pod (the preflight) to its end and sets :attr:`done`."""
+    ``pod`` (the preflight Job's name) it follows that Job's one pod (:attr:`pod_name`, once the
+    Job controller made it) to its end and sets :attr:`done`."""
 
     PERIOD = 1.0
 
     def __init__(self, api, m: Manifests, total: int, progress: bool, pod: Optional[str] = None):
         self.api, self.m, self.pod, self.t0 = api, m, pod, time.monotonic()
+        self.pod_name = ""
         self.state = "Pending"
         self.phase = ""
         self.ended: Optional[str] = None
@@ -248,18 +272,13 @@ class _Wait:
         self._thread.start()
 
     def describe(self) -> str:
-        what = f"preflight pod {self.pod}" if self.pod else f"Kubernetes Job {self.m.name}"
+        what = f"preflight Job {self.pod}" if self.pod else f"Kubernetes Job {self.m.name}"
         return f"{what}: {self.state}, waited {time.monotonic() - self.t0:.0f} s"
 
     def _read(self) -> None:
         ns = self.m.namespace
         if self.pod:
-            pod = self.api.pod(ns, self.pod)
-            self.phase = ((pod or {}).get("status") or {}).get("phase", "") if pod else "gone"
-            if self.phase in ("Succeeded", "Failed", "gone"):
-                self.ended = k8s_api.ended_reason(pod) if pod else "the pod was deleted"
-                self.done.set()
-            self.state = k8s_api.waiting_reason(pod) if pod and not self.ended else self.phase
+            self._read_preflight(ns)
             return
         pods = self.api.pods(ns, selector(self.m.name))
         job = self.api.job(ns, self.m.name)
@@ -281,6 +300,27 @@ class _Wait:
         nodes = self.m.job["spec"]["completions"]
         self.state = f"{running} of {nodes} pods Running" + (
             f", waiting: {'; '.join(waiting)}" if waiting else "")
+
+    def _read_preflight(self, ns: str) -> None:
+        pods = self.api.pods(ns, selector(self.m.name, "preflight"))
+        pod = pods[0] if pods else None
+        if pod is None:  # not made yet, or the Job ended without one (its deadline passed)
+            job = self.api.job(ns, self.pod)
+            failed = [c for c in ((job or {}).get("status") or {}).get("conditions") or []
+                      if c.get("type") == "Failed" and c.get("status") == "True"]
+            if job is None or failed:
+                self.phase = "Failed" if failed else "gone"
+                self.ended = (f"{failed[0].get('reason')}: {failed[0].get('message')}"
+                              if failed else "the preflight Job was deleted")
+                self.done.set()
+            self.state = self.phase or "Pending"
+            return
+        self.pod_name = pod["metadata"]["name"]
+        self.phase = (pod.get("status") or {}).get("phase", "")
+        if self.phase in ("Succeeded", "Failed"):
+            self.ended = k8s_api.ended_reason(pod)
+            self.done.set()
+        self.state = k8s_api.waiting_reason(pod) if not self.ended else self.phase
 
     def _run(self) -> None:
         while True:

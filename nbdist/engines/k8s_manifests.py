@@ -8,8 +8,14 @@
   ``backoffLimit: 0`` (nbdist does not restart ranks), ``ttlSecondsAfterFinished`` (the Job and,
   through their owner references, its Secret and Service go by themselves once the ranks exited,
   as they do when the kernel is lost) and ``activeDeadlineSeconds`` (a bound on the whole run);
-* a **preflight pod**: same image, labels, node selector and tolerations as the ranks, it only
-  opens a TCP connection to the notebook and says whether it could.
+* a **preflight Job** of one pod: same image, labels, node selector and tolerations as the ranks,
+  it only opens a TCP connection to the notebook and says whether it could. A Job, not a bare pod,
+  for its ``ttlSecondsAfterFinished`` and ``activeDeadlineSeconds`` (which also bounds a pod that
+  never gets scheduled): when the kernel is killed while it runs, nothing deletes it but them (and
+  the owner reference to the notebook pod, when there is one).
+
+With ``keep_alive`` the ranks may outlive the kernel; ``activeDeadlineSeconds`` must leave them
+that time (:func:`deadline`).
 
 Every pod runs ``python -m nbdist.worker --connect HOST:PORT --key-file KEY`` with torchrun's
 variables; the pod's index comes from the Job controller's annotation :data:`INDEX`. A pod that
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import base64
 import copy
+import math
 import shlex
 from typing import Any, Dict, List, Optional
 
@@ -27,6 +34,7 @@ KEY_NAME = "key.hex"  #: the Secret's one key (the group key, hex)
 INDEX = "batch.kubernetes.io/job-completion-index"  #: the Job controller's annotation on a pod
 PLACEHOLDER_KEY = "<the group key: nbdist.k8s.start writes it>"
 GPU = "nvidia.com/gpu"  #: the extended resource NVIDIA's device plugin offers
+PREFLIGHT_DEADLINE = 600  #: s the preflight Job may take, scheduling included
 
 #: the preflight pod's program: only the standard library, so it says something even where the
 #: image lacks nbdist
@@ -54,7 +62,7 @@ def selector(name: str, component: str = "ranks") -> str:
 
 class Manifests:
     """What :func:`nbdist.k8s.start <nbdist.engines.k8s.start>` creates: :attr:`secret`,
-    :attr:`service`, :attr:`job` and :attr:`preflight` (``None`` when it is off) as dicts, in
+    :attr:`service`, :attr:`job` and :attr:`preflight` (a Job; ``None`` when it is off) as dicts, in
     :attr:`objects`, and all of them as one YAML document stream in :attr:`yaml`.
 
     ``start`` creates the Job suspended, then the Secret and the Service with an owner reference
@@ -69,7 +77,7 @@ class Manifests:
 
     @property
     def objects(self) -> List[Dict[str, Any]]:
-        """The objects, in the order ``start`` creates them (preflight pod first)."""
+        """The objects, in the order ``start`` creates them (the preflight Job first)."""
         return [o for o in (self.preflight, self.job, self.secret, self.service) if o is not None]
 
     @property
@@ -125,18 +133,35 @@ def build(name: str, namespace: str, image: str, address: str, world_size: int, 
     check = None
     if preflight:
         host, _, port = address.rpartition(":")
-        check = {"apiVersion": "v1", "kind": "Pod",
+        check_pod = {"restartPolicy": "Never", "automountServiceAccountToken": False,
+                     "containers": [{"name": "preflight", "image": image,
+                                     "command": [python, "-c", PREFLIGHT, host, port],
+                                     "resources": {"requests": {"cpu": "10m", "memory": "64Mi"},
+                                                   "limits": {"memory": "256Mi"}}}],
+                     **_placement(node_selector, tolerations, service_account)}
+        check = {"apiVersion": "batch/v1", "kind": "Job",
                  "metadata": {"name": f"{name}-preflight", "namespace": namespace,
                               "labels": labels(name, "preflight"), **copy.deepcopy(owners)},
-                 "spec": {"restartPolicy": "Never", "activeDeadlineSeconds": 600,
-                          "automountServiceAccountToken": False,
-                          "containers": [{"name": "preflight", "image": image,
-                                          "command": [python, "-c", PREFLIGHT, host, port],
-                                          "resources": {"requests": {"cpu": "10m",
-                                                                     "memory": "64Mi"},
-                                                        "limits": {"memory": "256Mi"}}}],
-                          **_placement(node_selector, tolerations, service_account)}}
+                 "spec": {"completions": 1, "parallelism": 1, "backoffLimit": 0,
+                          "ttlSecondsAfterFinished": int(ttl),
+                          "activeDeadlineSeconds": PREFLIGHT_DEADLINE,
+                          "template": {"metadata": {"labels": labels(name, "preflight")},
+                                       "spec": check_pod}}}
     return Manifests(secret, service, job, check)
+
+
+def deadline(active_deadline: Optional[int], keep_alive: Optional[float], default: int) -> int:
+    """The Job's ``activeDeadlineSeconds``: ``active_deadline`` as given, else ``default`` plus
+    ``keep_alive`` (the time the ranks may wait for a new kernel). :class:`ValueError` when a
+    given one would end the Job before a ``keep_alive`` could pass."""
+    if active_deadline is None:
+        return int(default + math.ceil(keep_alive or 0))
+    if keep_alive and active_deadline <= keep_alive:
+        raise ValueError(f"active_deadline={active_deadline} s ends the Job whatever happens, "
+                         f"before keep_alive ({keep_alive:g} s) could pass: pass an "
+                         "active_deadline longer than keep_alive plus the time the group "
+                         "works, or leave it out (then it is 24 h plus keep_alive).")
+    return int(active_deadline)
 
 
 def _pod_spec(name, image, address, world_size, per_node, resources, gpus, env, python):

@@ -94,6 +94,8 @@ def start_on(on: str, world_size: int, backend, device, timeout, options: Dict[s
                         f"{', '.join(common)}.")
     keep_alive = keep_alive_seconds(options.pop("keep_alive", None))
     mine = {k: options.pop(k) for k in list(options) if k in cls.options}
+    if keep_alive and "keep_alive" in cls.options:  # an engine that plans with it (k8s's deadline)
+        mine["keep_alive"] = keep_alive
     launcher = cls().launcher(world_size, **mine)  # checks the options: nothing submitted yet
     why = cls.unusable()
     if why:

@@ -3,14 +3,15 @@
 * :class:`Emulator` -- kmock's ``KubernetesEmulator`` (an in-memory API server answering the real
   client's HTTP requests) on a local port, in a thread, with what an API server adds that kmock
   leaves to its users: a ``uid`` on every created object, and pod logs.
-* :class:`Controller` -- plays the Job controller, the garbage collector and the kubelet: for a
+* :class:`Controller` -- plays the Job controller, the garbage collector (a deleted Job's pods,
+  Service and Secret go) and the kubelet: for a
   resumed Indexed Job it creates one pod per index (the template's labels, the index annotation,
   the hostname) and runs each as local processes -- the pod's command and environment, the index
   resolved from the annotation, the Secret written to a private directory in place of its mount.
   ``python`` in a pod is this interpreter, as an image with nbdist would have it. Pods that ended
   get their phase and exit code; a deleted Job takes its pods (and their processes) with it.
   ``run=False`` leaves pods Pending with the scheduler's message instead; ``blocked=True`` makes
-  the preflight pod dial a port nothing listens on, as a NetworkPolicy would drop it.
+  the preflight Job's pod dial a port nothing listens on, as a NetworkPolicy would drop it.
 """
 import asyncio
 import base64
@@ -146,6 +147,7 @@ class Controller:
                 if (key[0], pod) in self.procs:
                     self._end(key[0], pod)
                 self._delete_pod(key[0], pod)
+        self._collect()
         pods = self.em.stored("pods")
         for (ns, name), pod in pods.items():
             labels = pod["metadata"].get("labels") or {}
@@ -158,6 +160,22 @@ class Controller:
             elif proc.poll() is not None and (ns, name) not in self.reported:
                 self.reported.add((ns, name))
                 self._finished(ns, name, proc.returncode)
+
+    def _collect(self):
+        """The garbage collector: a Service or Secret whose owner Job is gone goes too (kmock
+        deletes a Job without its dependents)."""
+        for plural, delete in (("services", self.core.delete_namespaced_service),
+                               ("secrets", self.core.delete_namespaced_secret)):
+            objects = self.em.stored(plural)
+            jobs = self.em.stored("jobs")  # read after them: an owner made first is seen
+            for (ns, name), obj in objects.items():
+                owners = [o["name"] for o in obj["metadata"].get("ownerReferences") or []
+                          if o.get("kind") == "Job"]
+                if owners and all((ns, o) not in jobs for o in owners):
+                    try:
+                        delete(name, ns, _preload_content=False)
+                    except client.ApiException:
+                        pass
 
     def _start_pod(self, ns, job, index):
         name = job["metadata"]["name"]
@@ -281,6 +299,10 @@ class Controller:
     def stop(self):
         self._stop.set()
         self._thread.join(30)
+        try:  # the garbage collector's last pass: the pods of a Job deleted just now go too
+            self._step()
+        except client.ApiException:
+            pass
         for key in list(self.procs):
             self._end(*key)
 

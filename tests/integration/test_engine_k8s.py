@@ -8,7 +8,10 @@ the image, the namespace, the owner reference and the IP the ranks dial come fro
 group serves the feature tests (torchrun's variables, the key from the Secret, signing, a
 collective, stop deleting everything); others: the wait shown with the scheduler's reason and
 Ctrl-C deleting what was created, a preflight that cannot connect, a pod that fails before
-joining, and a SIGKILLed kernel whose ranks exit by themselves."""
+joining, and a SIGKILLed kernel whose ranks exit by themselves. With ``keep_alive`` a subprocess
+plays the first kernel (SIGKILLed, or exiting through its atexit handlers) and this process the
+next one, which reattaches; or keep_alive passes, the ranks exit and reattach() says so."""
+import json
 import os
 import signal
 import subprocess
@@ -94,8 +97,8 @@ def test_ranks_from_the_job_join_with_the_key_from_the_secret_and_stop_deletes_i
                 {"apiVersion": "batch/v1", "kind": "Job", "name": name,
                  "uid": job["metadata"]["uid"]}]
         # created suspended, resumed once the Secret and the Service existed
-        assert [r.data for r in cluster.requests("patch", f"/jobs/{name}")][0] == \
-            {"spec": {"suspend": False}}
+        assert [r.data for r in cluster.requests("patch", f"/jobs/{name}")
+                if str(r.url.path).endswith(name)][0] == {"spec": {"suspend": False}}
         env = g.exec("import os\n[os.environ[k] for k in ('RANK', 'LOCAL_RANK', 'WORLD_SIZE', "
                      "'LOCAL_WORLD_SIZE', 'GROUP_RANK')]")
         assert env == [["0", "0", "2", "1", "0"], ["1", "0", "2", "1", "1"]]
@@ -152,10 +155,11 @@ def test_the_wait_shows_the_schedulers_reason_and_ctrl_c_deletes_everything(clus
 def test_a_preflight_that_cannot_connect_names_the_usual_causes(cluster):
     blocked = Controller(cluster, blocked=True)
     try:
-        with pytest.raises(NbdistError, match=r"(?s)the preflight pod team/nbdist-\w+-preflight "
-                                              r"could not connect back to this notebook at "
-                                              r"127.0.0.1:\d+ \(Error, exit code 1\); no Job was "
-                                              r"created.*cannot reach the notebook.*"
+        with pytest.raises(NbdistError, match=r"(?s)the preflight Job team/nbdist-\w+-preflight "
+                                              r"\(pod nbdist-\w+-preflight-0-x0\) could not "
+                                              r"connect back to this notebook at 127.0.0.1:\d+ "
+                                              r"\(Error, exit code 1\); no Job was created for "
+                                              r"the ranks.*cannot reach the notebook.*"
                                               r"singleuser.networkPolicy.*Istio sidecar"):
             nbdist.start(2, on="k8s", timeout=30, progress=False)
     finally:
@@ -226,3 +230,89 @@ def test_a_sigkilled_kernel_ends_its_ranks_and_the_ttl_is_set(cluster, controlle
 
     client.BatchV1Api(cluster.api()).delete_namespaced_job(name, "team")
     time.sleep(0.5)
+
+
+#: a first kernel whose group has keep_alive: a variable on the ranks, then SIGKILLed or exited
+KEEP_KERNEL = textwrap.dedent("""
+    import os, sys
+    import nbdist
+    from nbdist.engines import k8s_api
+    k8s_api.SERVICE_ACCOUNT_DIR = sys.argv[1]
+    g = nbdist.start(2, on="k8s", keep_alive=sys.argv[2], timeout=30, progress=False,
+                     preflight=False)
+    g.exec("x = rank * 10 + 7")
+    print("READY", g.id, flush=True)
+    if sys.argv[3] == "sigkill":
+        os.kill(os.getpid(), 9)
+""")
+
+
+@pytest.fixture
+def runtime(tmp_path, monkeypatch):
+    """Jupyter's runtime directory (the handle goes there), of this test alone."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    return tmp_path / "runtime"
+
+
+def keep_alive_kernel(tmp_path, keep_alive, how):
+    """Run the first kernel to its end (``"sigkill"``, or ``"exit"``: its atexit handlers run);
+    the name of its group's Job."""
+    sa = tmp_path / "sa"
+    sa.mkdir()
+    (sa / "namespace").write_text("team")
+    done = subprocess.run([sys.executable, "-c", KEEP_KERNEL, str(sa), keep_alive, how],
+                          capture_output=True, text=True, timeout=180,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path
+                                                                          if p)))
+    assert done.returncode == (-9 if how == "sigkill" else 0) and "READY" in done.stdout, \
+        f"the first kernel: {done.returncode}\n{done.stdout}\n{done.stderr[-3000:]}"
+    if how == "exit":
+        assert "keeps its ranks for 120 s (keep_alive)" in done.stderr, done.stderr[-3000:]
+    return "nbdist-" + done.stdout.split("READY ")[1].split()[0]
+
+
+@pytest.mark.parametrize("how", ["sigkill", "exit"])
+def test_a_keep_alive_job_outlives_its_kernel_and_reattach_takes_its_ranks_back(
+        cluster, controller, runtime, tmp_path, how):
+    name = keep_alive_kernel(tmp_path, "120", how)
+    # the kernel is gone, its Job is not: its ranks wait for the next kernel
+    assert ("team", name) in cluster.stored("jobs") and len(controller.running()) == 2
+    (handle_file,) = runtime.glob("nbdist-k8s-*.json")
+    handle = json.loads(handle_file.read_text())
+    assert (handle["engine"], handle["job"], handle["namespace"]) == ("k8s", name, "team")
+    assert handle["address"][0] == "127.0.0.1"  # the notebook pod's IP
+    g = nbdist.reattach(progress=False, join_timeout=60)
+    try:
+        assert g.exec("x") == [7, 17]  # the first kernel's variables
+        assert g.exec("pg = dist.new_group([0, 1]); t = torch.ones(1) * (rank + 1); "
+                      "dist.all_reduce(t, group=pg); t.item()") == [3.0, 3.0]
+        job = cluster.stored("jobs")[("team", name)]
+        assert job["metadata"]["ownerReferences"][0]["name"] == "jupyter-alice"
+        assert job["spec"]["activeDeadlineSeconds"] == 24 * 3600 + 120
+    finally:
+        g.stop()
+    assert group_objects(cluster) == NOTHING  # stop() after reattach deletes it all
+    assert controller.wait_exited(60)
+    assert not handle_file.exists()
+
+
+def test_keep_alive_passes_the_ranks_exit_and_reattach_says_the_job_ended(
+        cluster, controller, runtime, tmp_path):
+    name = keep_alive_kernel(tmp_path, "3s", "sigkill")
+    assert controller.wait_exited(60), controller.running()  # no kernel came back in time
+    job = cluster.stored("jobs")[("team", name)]
+    assert job["status"]["conditions"][0]["type"] == "Complete"  # they exited 0: done
+    with pytest.raises(NbdistError, match=rf"reattach\(\): the saved group's job has ended "
+                                          rf"\(Kubernetes Job team/{name} is Complete\); its "
+                                          r"ranks and their variables are gone \(handle .* "
+                                          r"removed\)\. Start a new group, e\.g\. nbdist\.start"
+                                          r"\(2, on='k8s', keep_alive='30m'\)\."):
+        nbdist.reattach(progress=False)
+    assert not list(runtime.glob("nbdist-k8s-*.json"))
+    # what the TTL controller would do; then Kubernetes no longer knows the Job
+    from kubernetes import client
+
+    client.BatchV1Api(cluster.api()).delete_namespaced_job(name, "team")
+    time.sleep(0.5)
+    assert nbdist.engines.k8s.K8sEngine.ended({"namespace": "team", "job": name}) == \
+        f"Kubernetes no longer has Job team/{name}"

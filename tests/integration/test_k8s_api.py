@@ -103,3 +103,25 @@ def test_the_log_of_a_pod_and_the_reasons_kubernetes_gives():
     evicted = {"status": {"phase": "Failed", "reason": "Evicted",
                           "message": "The node was low on resource: memory."}}
     assert ended_reason(evicted) == "Evicted: The node was low on resource: memory."
+
+
+def test_ended_reads_the_job_and_a_refusal_says_what_the_notebook_needs(api, em):
+    from nbdist.engines.k8s import K8sEngine
+
+    handle = {"namespace": "lab", "job": "nbdist-gone"}  # another namespace: a 403 above stays
+    assert K8sEngine.ended(handle) == "Kubernetes no longer has Job lab/nbdist-gone"
+    job = {"apiVersion": "batch/v1", "kind": "Job",
+           "metadata": {"name": "nbdist-kept", "namespace": "lab"},
+           "status": {"conditions": [{"type": "Complete", "status": "False"}]}}
+    api.create(job)
+    try:
+        assert K8sEngine.ended(dict(handle, job="nbdist-kept")) == ""  # still runs
+        em.handler["get /apis/batch/v1/namespaces/lab/jobs/nbdist-kept"] << 403 << dict(
+            FORBIDDEN, message='jobs.batch "nbdist-kept" is forbidden')
+        with pytest.raises(NbdistError, match=r"reattach\(\): could not read Kubernetes Job "
+                                              r"lab/nbdist-kept \(jobs.batch \"nbdist-kept\" is "
+                                              r"forbidden\): the notebook's service account "
+                                              r"needs the Role in docs/multinode.md"):
+            K8sEngine.ended(dict(handle, job="nbdist-kept"))
+    finally:
+        api.delete("Job", "lab", "nbdist-kept")

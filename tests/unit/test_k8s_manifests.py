@@ -76,6 +76,38 @@ def test_the_job_is_indexed_bounded_and_holds_no_key():
         f"{KEY_DIR}/key.hex"]
 
 
+def test_a_keep_alive_job_differs_only_by_a_deadline_that_leaves_the_ranks_that_time():
+    plain, kept = example(), example(keep_alive="30m")
+    assert kept.job["spec"]["activeDeadlineSeconds"] == 24 * 3600 + 1800
+    assert dict(kept.job, spec=dict(kept.job["spec"], activeDeadlineSeconds=86400)) == plain.job
+    assert [kept.secret, kept.service, kept.preflight] == [plain.secret, plain.service,
+                                                          plain.preflight]
+    # a deadline given is kept (it must leave keep_alive room: see the bad options)
+    assert example(keep_alive=600, active_deadline=7200).job["spec"]["activeDeadlineSeconds"] \
+        == 7200
+    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate is not "
+                                                           "installed: pip install -e '.[dev]'")
+    kv.validate(kept.job, "1.37.0", strict=True)
+
+
+def test_the_preflight_is_a_job_that_cleans_up_after_itself():
+    """A kernel killed while the preflight runs leaves nobody to delete it: its Job's TTL does
+    (after its deadline, if its pod never ran), and the notebook pod's deletion too."""
+    owner = {"apiVersion": "v1", "kind": "Pod", "name": "jupyter-a", "uid": "u-1"}
+    m = build("nbdist-ab12cd34", "team", "img", "10.0.0.5:4242", 2, 2, 1, {}, 0, {"pool": "a"},
+              None, None, {}, owner, "python", 60, 600, True)
+    check = m.preflight
+    assert (check["kind"], check["metadata"]["name"]) == ("Job", "nbdist-ab12cd34-preflight")
+    assert check["metadata"]["ownerReferences"] == [owner]
+    spec = check["spec"]
+    assert (spec["completions"], spec["backoffLimit"], spec["ttlSecondsAfterFinished"],
+            spec["activeDeadlineSeconds"]) == (1, 0, 60, 600)
+    assert spec["template"]["metadata"]["labels"]["app.kubernetes.io/component"] == "preflight"
+    pod = spec["template"]["spec"]
+    assert (pod["restartPolicy"], pod["nodeSelector"]) == ("Never", {"pool": "a"})
+    assert pod["containers"][0]["command"][-2:] == ["10.0.0.5", "4242"]
+
+
 def test_the_defaults_one_rank_per_pod_or_per_gpu():
     assert example(nodes=None, gpus=0).job["spec"]["completions"] == 4
     assert example(nodes=None, gpus=4).job["spec"]["completions"] == 1
@@ -83,7 +115,11 @@ def test_the_defaults_one_rank_per_pod_or_per_gpu():
 
 
 @pytest.mark.parametrize("kw, error, match", [
-    (dict(keep_alive="30m"), ValueError, "keep_alive is not built yet for on='k8s'"),
+    (dict(keep_alive="30m", active_deadline=1800), ValueError,
+     r"active_deadline=1800 s ends the Job whatever happens, before keep_alive \(1800 s\) could "
+     r"pass: pass an active_deadline longer than keep_alive"),
+    (dict(keep_alive="soon"), ValueError, r"keep_alive must be a duration: seconds \(e.g. 1800\)"),
+    (dict(active_deadline=0), ValueError, "active_deadline must be a positive int of seconds"),
     (dict(gpus=-1), ValueError, r"gpus must be an int >= 0 \(nvidia.com/gpu per pod\), got -1"),
     (dict(resources="2 cpus"), TypeError, "resources must be a dict, e.g. {'cpu': '4'"),
     (dict(tolerations={"key": "x"}), TypeError, "tolerations must be a list of dicts"),
@@ -114,6 +150,8 @@ def test_without_image_and_namespace_the_cluster_is_needed(monkeypatch, tmp_path
                                          "kubeconfig or in-cluster config"):
         nbdist.k8s.manifests(2)
     assert nbdist.engines.available_engines()["k8s"] == "no kubeconfig or in-cluster config"
+    assert nbdist.engines.k8s.K8sEngine.ended({"namespace": "n", "job": "j"}) == \
+        "Kubernetes is not reachable here: no kubeconfig or in-cluster config"
     with pytest.raises(ValueError, match="the engine 'k8s' cannot run here: no kubeconfig"):
         nbdist.start(2, on="k8s", image="i")
 
