@@ -68,6 +68,7 @@ MOVED = {
     "nbdist.launcher": "nbdist.runtime.launcher",
     # not moved but short: the SLURM engine as the docs name it, nbdist.slurm.start(...)
     "nbdist.slurm": "nbdist.engines.slurm",
+    "nbdist.ray": "nbdist.engines.ray",  # nbdist.ray.start(...): the Ray engine
 }
 
 

@@ -21,7 +21,8 @@ from typing import Any, Dict, Optional
 
 ENTRY_POINT_GROUP = "nbdist.engines"  #: where third-party engines register
 #: the engines nbdist brings (``"local"``: this machine's forkserver/spawn workers, built in here)
-BUILTIN = {"local": "", "slurm": "nbdist.engines.slurm:SlurmEngine"}
+BUILTIN = {"local": "", "slurm": "nbdist.engines.slurm:SlurmEngine",
+           "ray": "nbdist.engines.ray:RayEngine"}
 
 
 def engine_targets() -> Dict[str, str]:
