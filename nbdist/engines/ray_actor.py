@@ -122,7 +122,7 @@ def rank_layout(places: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
     per actor, in bundle order, with ``rank``, ``node`` (the node's index) and ``env``.
 
     Ranks are ordered by Ray node id (not by address: nodes may share one), then by GPU id, then
-    by bundle; ``CUDA_VISIBLE_DEVICES`` is every GPU the node's actors were given, so each rank
+    by bundle; ``NBDIST_RAY_NODE_ID`` is the rank's Ray node; ``CUDA_VISIBLE_DEVICES`` is every GPU the node's actors were given, so each rank
     sees its node's peers (as Ray Train does) and ``LOCAL_RANK`` indexes its own GPU among them.
     """
     def gpu_key(p):
@@ -144,7 +144,7 @@ def rank_layout(places: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
         env = {"RANK": rank, "WORLD_SIZE": world, "LOCAL_RANK": mine.index(i),
                "LOCAL_WORLD_SIZE": len(mine), "GROUP_RANK": nodes.index(node_id),
                "GROUP_WORLD_SIZE": len(nodes), "ROLE_RANK": rank, "ROLE_WORLD_SIZE": world,
-               "CUDA_VISIBLE_DEVICES": ",".join(gpus)}
+               "CUDA_VISIBLE_DEVICES": ",".join(gpus), "NBDIST_RAY_NODE_ID": node_id}
         out[i] = {"rank": rank, "node": nodes.index(node_id), "node_id": node_id,
                   "env": {k: str(v) for k, v in env.items()}}
     return out

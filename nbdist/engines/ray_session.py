@@ -157,9 +157,10 @@ class Session:
 def _resources(res: Dict[str, float]) -> str:
     """``"CPU 2, GPU 1, memory 4.0 GiB"``: Ray's resources, less the per-node ``node:...``."""
     parts = []
+    res = dict({"CPU": 0.0}, **res)  # Ray leaves out what is all used: say "CPU 0"
     for k in sorted(res, key=lambda k: (k not in ("CPU", "GPU"), k)):
-        if k.startswith("node:") or k.startswith("accelerator_type"):
-            continue
+        if k.startswith(("node:", "accelerator_type", "bundle_group_")) or "_group_" in k:
+            continue  # a node's own marker, or what placement groups hold
         v = res[k]
         if k in ("memory", "object_store_memory"):
             parts.append(f"{k} {v / 2 ** 30:.1f} GiB")

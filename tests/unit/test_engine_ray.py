@@ -57,7 +57,8 @@ def test_ranks_are_ordered_by_node_id_then_gpu_with_torchruns_variables():
     envs = {o["rank"]: o["env"] for o in out}
     assert envs[0] == {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
                        "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "0",
-                       "ROLE_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1"}
+                       "ROLE_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1",
+                       "NBDIST_RAY_NODE_ID": "aa"}
     assert (envs[3]["LOCAL_RANK"], envs[3]["GROUP_RANK"], envs[3]["CUDA_VISIBLE_DEVICES"]) == \
         ("1", "1", "2,3")
     # GPU ids compare as numbers (10 after 9), and CPU ranks see no GPU
