@@ -105,7 +105,10 @@ class RankHost:
         child, self.child = self.child, None
         if child is not None:
             try:
-                os.killpg(child.pid, signal.SIGKILL)
+                if hasattr(os, "killpg"):
+                    os.killpg(child.pid, signal.SIGKILL)
+                else:  # Windows: no process groups
+                    child.kill()
             except (ProcessLookupError, PermissionError):
                 pass
             try:

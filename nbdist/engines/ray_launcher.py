@@ -101,14 +101,15 @@ class RayLauncher(AttachLauncher):
         cls = ray.remote(RankHost)
         cpus, gpus = self.bundle.get("CPU", 0), self.bundle.get("GPU", 0)
         others = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
-        for i in range(world_size):
-            opts = dict(num_cpus=cpus, num_gpus=gpus, resources=others or None,
-                        max_restarts=0, max_task_retries=0, scheduling_strategy=
-                        PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=i))
-            if self.runtime_env:
-                opts["runtime_env"] = self.runtime_env
-            self.actors.append(cls.options(**opts).remote())
         try:
+            for i in range(world_size):
+                opts = dict(num_cpus=cpus, num_gpus=gpus, resources=others or None,
+                            max_restarts=0, max_task_retries=0,
+                            scheduling_strategy=PlacementGroupSchedulingStrategy(
+                                self.pg, placement_group_bundle_index=i))
+                if self.runtime_env:
+                    opts["runtime_env"] = self.runtime_env
+                self.actors.append(cls.options(**opts).remote())
             places = ray.get([a.where.remote() for a in self.actors], timeout=self.join_timeout)
         except Exception as err:  # noqa: BLE001 -- Ray's many errors of an actor not starting
             raise NbdistError(

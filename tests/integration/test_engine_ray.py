@@ -20,6 +20,9 @@ import cloudpickle
 import pytest
 import torch
 
+if sys.platform == "win32":
+    pytest.skip("Ray's multi-node test cluster (ray.cluster_utils.Cluster) does not run on Windows",
+                allow_module_level=True)
 ray = pytest.importorskip("ray", reason="Ray is not installed here (pip install 'nbdist[ray]')")
 
 import nbdist  # noqa: E402
@@ -204,6 +207,15 @@ def test_a_blocked_address_is_named_with_its_usual_causes(g):
         launcher.close()
     assert len(live(_job())[0]) == 2  # the shared group's actors only
     assert g.run(lambda: 1) == [1, 1]
+
+
+def test_actors_that_cannot_start_say_so(g):
+    with pytest.raises(NbdistError, match=r"the Ray actors of the ranks did not start: .*"
+                                          r"/no/such/dir.*\nnbdist \(this version, with torch\) "
+                                          r"must be importable on the Ray nodes"):
+        nbdist.ray.start(2, num_cpus=SMALL, runtime_env={"working_dir": "/no/such/dir"},
+                         progress=False)
+    assert len(live(_job())[1]) == 1  # the shared group's placement group only
 
 
 KERNEL = textwrap.dedent("""
