@@ -61,16 +61,19 @@ class LocalRay:
             else:
                 os.environ[k] = v
         before = self.before if before is None else before
-        deadline = time.monotonic() + 20.0
+        deadline = time.monotonic() + 30.0
         while True:
-            left = [p for p in psutil.Process().children(recursive=True)
-                    if p.pid not in before and _alive(p)]
+            left = {p.pid: _cmd(p) for p in psutil.Process().children(recursive=True)
+                    if p.pid not in before and _alive(p)}
             if not left or time.monotonic() > deadline:
                 break
             time.sleep(0.2)
-        for p in left:
-            p.kill()
-        assert not left, f"Ray left processes behind: {[_cmd(p) for p in left]}"
+        for pid in left:
+            try:
+                psutil.Process(pid).kill()
+            except psutil.Error:
+                pass
+        assert not left, f"Ray left processes behind: {left}"
 
 
 def _alive(p) -> bool:
@@ -82,9 +85,9 @@ def _alive(p) -> bool:
 
 def _cmd(p) -> str:
     try:
-        return " ".join(p.cmdline())[:120]
-    except psutil.Error:
-        return str(p.pid)
+        return " ".join(p.cmdline())[:120] or p.name()
+    except psutil.Error as err:
+        return f"({type(err).__name__})"
 
 
 def workers() -> set:

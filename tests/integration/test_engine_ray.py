@@ -227,6 +227,8 @@ KERNEL = textwrap.dedent("""
     with open(os.path.join(sys.argv[3], "ready.tmp"), "w") as f:
         f.write(ray.get_runtime_context().get_job_id())
     os.rename(os.path.join(sys.argv[3], "ready.tmp"), os.path.join(sys.argv[3], "ready"))
+    while not os.path.exists(os.path.join(sys.argv[3], "go")):  # the test has looked
+        time.sleep(0.1)
     if sys.argv[2] == "sigkill":
         time.sleep(600)
 """)
@@ -248,6 +250,7 @@ def test_a_kernel_that_exits_or_is_killed_leaves_no_actor_and_no_placement_group
         job = ready.read_text()
         actors, groups = live(job)
         assert (len(actors), len(groups)) == (2, 1)
+        (tmp_path / "go").touch()
         if how == "sigkill":
             kernel.kill()
         kernel.wait(60)
