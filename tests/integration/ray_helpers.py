@@ -60,7 +60,7 @@ class LocalRay:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-        before = self.before if before is None else before
+        before = (self.before if before is None else before) | _helpers()
         deadline = time.monotonic() + 30.0
         while True:
             left = {p.pid: _cmd(p) for p in psutil.Process().children(recursive=True)
@@ -74,6 +74,20 @@ class LocalRay:
             except psutil.Error:
                 pass
         assert not left, f"Ray left processes behind: {left}"
+
+
+def _helpers() -> set:
+    """multiprocessing's forkserver and resource tracker and nbdist's warm spares (a test may
+    start them; the suite's leak check does not count them either)."""
+    import multiprocessing.forkserver as mp_forkserver
+    import multiprocessing.resource_tracker as mp_tracker
+
+    from nbdist.runtime import spares
+
+    server = getattr(mp_forkserver, "_forkserver", None)
+    tracker = getattr(mp_tracker, "_resource_tracker", None)
+    return {getattr(server, "_forkserver_pid", None), getattr(tracker, "_pid", None),
+            *spares.pids()}
 
 
 def _alive(p) -> bool:
