@@ -1,6 +1,6 @@
 #!/usr/bin/env python
 """SLURM groups (``nbdist.start(on="slurm")``): sbatch to first result, a call against a local
-group, stop to an empty queue.
+group, stop to an empty queue, the reattach time.
 
     python benchmarks/bench_slurm.py [--quick] [--out bench_slurm_results.json]
 
@@ -12,14 +12,17 @@ Needs SLURM's commands and a cluster (``SLURM_CONF``); without one it starts the
    ``reps`` jobs;
 2. a trivial call, ``g.run(noop)``, on the SLURM group and on a local ``nbdist.start(2)`` group alive
    at the same time, in interleaved blocks; the ratio of the medians (goal: at most 1.5x);
-3. ``g.stop()`` to ``squeue`` empty.
-
-Reattach time (``keep_alive``) is not measured: keep_alive is not built yet.
+3. ``g.stop()`` to ``squeue`` empty;
+4. the reattach time: a subprocess (the first kernel) starts a group with ``keep_alive``, leaves a
+   variable on its ranks and is SIGKILLed; then, in this process (the next kernel), from the
+   ``nbdist.reattach()`` call to the first result (the variable read back), over ``reps`` jobs
+   (goal: within 5 s). The handles go to a temporary Jupyter runtime directory.
 """
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -28,6 +31,12 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import harness  # noqa: E402
 
+#: the first kernel of the reattach measure: a keep_alive group, a variable, then SIGKILLed
+KERNEL = (
+    "import os, sys\nimport nbdist\n"
+    "g = nbdist.start(2, on='slurm', nodes=2, keep_alive='10m', timeout=60, progress=False, "
+    "workdir=sys.argv[1])\n"
+    "g.exec('kept = rank + 41')\nos.kill(os.getpid(), 9)\n")
 FULL = dict(reps=3, rounds=8, block=200)
 QUICK = dict(reps=2, rounds=4, block=60)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -81,6 +90,7 @@ def run(cfg, tmp):
     while _queue():
         time.sleep(0.05)
     out["stop_to_empty_s"].append(time.perf_counter() - t0)
+    out["reattach"] = harness.summary(reattach_times(cfg, tmp))
     out["call"] = {k: harness.summary(v) for k, v in calls.items()}
     out["call_ratio"] = harness.ratio(out["call"]["slurm"], out["call"]["local"])
     out["first_result"] = harness.summary(out.pop("first_result_s"))
@@ -88,16 +98,41 @@ def run(cfg, tmp):
     return out
 
 
+def reattach_times(cfg, tmp):
+    """Seconds from ``nbdist.reattach()`` to the first result, once per first kernel SIGKILLed."""
+    import nbdist
+
+    os.environ["JUPYTER_RUNTIME_DIR"] = os.path.join(tmp, "runtime")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    times = []
+    for _ in range(cfg["reps"]):
+        done = subprocess.run([sys.executable, "-c", KERNEL, tmp], env=env, capture_output=True,
+                              text=True, timeout=300)
+        assert done.returncode == -9, done.stderr[-2000:]
+        t0 = time.perf_counter()
+        g = nbdist.reattach(progress=False)
+        assert g.exec("kept") == [41, 42]
+        times.append(time.perf_counter() - t0)
+        harness.log(f"reattach to first result: {times[-1]:.2f} s")
+        g.stop()
+        while _queue():
+            time.sleep(0.05)
+    return times
+
+
 def main(argv=None):
     args = harness.arg_parser(__doc__, "bench_slurm_results.json").parse_args(argv)
     cfg = QUICK if args.quick else FULL
-    with tempfile.TemporaryDirectory(prefix="nbdist-bench-slurm-") as tmp:
+    tmp = tempfile.mkdtemp(prefix="nbdist-bench-slurm-")
+    try:
         started = _cluster(tmp)
         try:
             res = run(cfg, tmp)
         finally:
             if started:
                 subprocess.run(["bash", started[0], "stop", started[1]], capture_output=True)
+    finally:  # the stopped slurmctld may still write its state as the folder goes
+        shutil.rmtree(tmp, ignore_errors=True)
     res["machine"] = harness.machine_info(config=cfg)
     with open(args.out, "w") as f:
         json.dump(res, f, indent=1)
@@ -107,6 +142,8 @@ def main(argv=None):
           f"{harness.fmt_summary(res['call']['local'])}, ratio {res['call_ratio']:.2f}x "
           "(goal <= 1.5x)")
     print(f"stop to empty queue: {harness.fmt(res['stop_to_empty']['median'])}")
+    print(f"reattach to first result: {harness.fmt(res['reattach']['median'])} (median of "
+          f"{res['reattach']['n']}; goal <= 5 s)")
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from .backends import available_backends, register_backend, resolve_backend
 from .errors import (BackendError, DistTimeoutError, GroupBusyError, GroupClosedError,
                      GroupInterrupted, JobPausedError, NbdistError, RankDiedError, RemoteError)
 from .runtime.api import attach, launch, start, stop_all
+from .runtime.engines import reattach
 from .runtime.group import Group, current_group, use_group
 from .runtime.jobs import Job
 from .runtime.metrics import Metrics
@@ -43,6 +44,7 @@ __all__ = sorted([
     "launch",
     "load_ipython_extension",
     "log",
+    "reattach",
     "register_backend",
     "resolve_backend",
     "start",
@@ -66,9 +68,10 @@ MOVED = {
     "nbdist.worker": "nbdist.runtime.worker",
     "nbdist.group": "nbdist.runtime.group",
     "nbdist.launcher": "nbdist.runtime.launcher",
-    # not moved but short: the SLURM engine as the docs name it, nbdist.slurm.start(...)
+    # not moved but short: the engines as the docs name them, nbdist.slurm.start(...), nbdist.k8s
     "nbdist.slurm": "nbdist.engines.slurm",
     "nbdist.ray": "nbdist.engines.ray",  # nbdist.ray.start(...): the Ray engine
+    "nbdist.k8s": "nbdist.engines.k8s",
 }
 
 

@@ -197,10 +197,14 @@ class Records(Table):
         or wrong (the ``note`` field), once per op and note."""
         shown = shown or self._columns_shown()
         notes = []
-        if "time_s" in shown:
+        if "time_s" in shown:  # says only what the columns shown are
             iters = sorted({r["iters"] for r in self if r.get("iters")})
-            notes.append(f"median (p10, p90) of {'/'.join(map(str, iters)) or 'the'} "
-                         f"iterations, slowest rank; algbw = size / median")
+            spread = " (p10, p90)" if {"p10_s", "p90_s"} <= set(shown) else ""
+            rate = ("; algbw = size / median" if "algbw_GBps" in shown else
+                    "; busbw = size / median x the op's bus factor" if "busbw_GBps" in shown
+                    else "")
+            notes.append(f"median{spread} of {'/'.join(map(str, iters)) or 'the'} "
+                         f"iterations, slowest rank{rate}")
         if "noisy" in shown and any(r.get("noisy") for r in self):
             notes.append(f"noisy: p90 > {NOISY_SPREAD:g} x p10, the iterations disagree (often "
                          f"a rank that waited for a core); measure again or with more iters")

@@ -1,7 +1,7 @@
 """The interface of an engine: what :func:`nbdist.start` needs to place ranks with it."""
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 
 class Engine:
@@ -21,6 +21,17 @@ class Engine:
     def unusable(cls) -> Optional[str]:
         """``None`` where the engine can run here, else why not (``"no sbatch on PATH"``)."""
         return None
+
+    @classmethod
+    def ended(cls, handle: Dict[str, Any]) -> str:
+        """``""`` while the job of a saved ``keep_alive`` handle (:mod:`nbdist.runtime.handles`)
+        may still run its ranks, else what ended it (``"SLURM says COMPLETED"``)."""
+        return ""
+
+    def reattach(self, handle: Dict[str, Any], join_timeout: float, progress: bool):
+        """A launcher (an :class:`~nbdist.runtime.attach.AttachLauncher`) that takes back the
+        ranks of ``handle``'s job; :func:`nbdist.reattach` sets its key and ``keep_alive``."""
+        raise NotImplementedError(f"the engine {self.name!r} cannot reattach")
 
     def launcher(self, world_size: int, **options):
         """The launcher of a group of ``world_size`` ranks; raise on bad options before anything

@@ -25,7 +25,7 @@ class RayEngine(Engine):
 
     name = "ray"
     options = ("num_cpus", "num_gpus", "resources", "placement", "address", "runtime_env",
-               "keep_alive", "listen", "python", "placement_timeout", "join_timeout", "progress",
+               "listen", "python", "placement_timeout", "join_timeout", "progress",
                "protect")
 
     @classmethod
@@ -42,7 +42,7 @@ class RayEngine(Engine):
     def launcher(self, world_size: int, num_cpus: float = 1, num_gpus: float = 0,
                  resources: Optional[Dict[str, float]] = None, placement: str = "PACK",
                  address: Optional[str] = None, runtime_env: Optional[Dict[str, Any]] = None,
-                 keep_alive=None, listen: Optional[str] = None, python: Optional[str] = None,
+                 listen: Optional[str] = None, python: Optional[str] = None,
                  placement_timeout: float = 120.0, join_timeout: float = 600.0,
                  progress: bool = True, protect: Optional[bool] = None):
         """A :class:`~.ray_launcher.RayLauncher` for these options, checked before Ray is asked."""
@@ -61,14 +61,9 @@ class RayEngine(Engine):
         for name, v in (("placement_timeout", placement_timeout), ("join_timeout", join_timeout)):
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
                 raise ValueError(f"{name} must be a positive number of seconds, got {v!r}")
-        if keep_alive is not None:
-            raise NotImplementedError(
-                "keep_alive (ranks that outlive the kernel, for reattach) is not built yet for "
-                "any engine; start the group without it.")
         return RayLauncher(bundle, placement.upper(), address, runtime_env,
                            parse_listen(listen) if listen else None, python,
-                           float(placement_timeout), float(join_timeout), progress, protect,
-                           keep_alive)
+                           float(placement_timeout), float(join_timeout), progress, protect)
 
 
 def bundle_of(num_cpus, num_gpus, resources) -> Dict[str, float]:
@@ -118,8 +113,8 @@ def start(world_size: int, num_cpus: float = 1, num_gpus: float = 0,
     Before any rank starts, every actor dials the notebook (``listen``, ``"HOST:PORT"``; default:
     loopback for a Ray started here, else this node's address): a blocked address is named with
     its usual causes. ``stop()``, the kernel's exit and a killed kernel leave no actor and no
-    placement group. ``keep_alive`` is accepted for the coming reattach and refused until it is
-    built. Other options: ``python`` (the workers' interpreter; default the actors'),
+    placement group. ``keep_alive`` is refused for now: Ray's
+    actors end with the kernel that owns them, and reattach is not built for Ray yet. Other options: ``python`` (the workers' interpreter; default the actors'),
     ``join_timeout``, ``progress``, ``protect``, and the group's (:class:`~nbdist.Group`);
     ``restart()`` is refused (start a new group).
     """

@@ -43,13 +43,12 @@ class RayLauncher(AttachLauncher):
     def __init__(self, bundle: Dict[str, float], placement: str, address: Optional[str],
                  runtime_env: Optional[Dict[str, Any]], listen, python: Optional[str],
                  placement_timeout: float, join_timeout: float, progress: bool,
-                 protect: Optional[bool], keep_alive=None):
+                 protect: Optional[bool]):
         super().__init__(listen or ("127.0.0.1", 0), None, join_timeout, None, progress, protect)
         self.listen_given, self._protect_arg = listen is not None, protect
         self.bundle, self.placement, self.ray_address = bundle, placement, address
         self.runtime_env, self.python = runtime_env, python
         self.placement_timeout = placement_timeout
-        self.keep_alive = keep_alive  #: for the engine-agnostic reattach (not built yet)
         self.pg = None
         self.actors: List[Any] = []
         self.places: List[Dict[str, Any]] = []  #: per rank: node index, Ray node id, host

@@ -16,6 +16,7 @@ import sys
 from typing import Dict, List, Optional, Sequence
 
 from ..runtime.attach import parse_listen
+from . import slurm_cli
 from .base import Engine
 from .slurm_cli import missing_command
 from .slurm_launcher import SlurmLauncher
@@ -38,6 +39,26 @@ class SlurmEngine(Engine):
     def unusable(cls) -> Optional[str]:
         """``"no sbatch on PATH"`` (or another of SLURM's commands) where SLURM is not here."""
         return missing_command()
+
+    @classmethod
+    def ended(cls, handle) -> str:
+        """``""`` while SLURM runs (or queues) the handle's job, else what SLURM says."""
+        why = missing_command()
+        if why:
+            return f"SLURM is not reachable here: {why}"
+        state, reason, _ = slurm_cli.job_state(str(handle["job"]))
+        if state in slurm_cli.LIVE and state != "COMPLETING":
+            return ""
+        return (f"SLURM job {handle['job']} is {state}" + (f" ({reason})" if reason else "")
+                if state else f"SLURM no longer knows job {handle['job']}")
+
+    def reattach(self, handle, join_timeout: float, progress: bool) -> SlurmLauncher:
+        """A :class:`SlurmLauncher` that reconnects to the running job of ``handle``."""
+        launcher = SlurmLauncher([], {}, sys.executable, int(handle.get("tasks_per_node") or 1),
+                                 tuple(handle["address"]), None, join_timeout, progress,
+                                 bool(handle.get("protect")))
+        launcher.job_id, launcher.workdir = str(handle["job"]), handle.get("workdir")
+        return launcher
 
     def launcher(self, world_size: int, nodes: Optional[int] = None,
                  ntasks_per_node: Optional[int] = None, partition: Optional[str] = None,
@@ -104,6 +125,10 @@ def start(world_size: int, backend: Optional[str] = "auto", device: Optional[str
           timeout: float = 60.0, **options):
     """Submit one SLURM job that runs ``world_size`` ranks; return the :class:`~nbdist.Group`
     once they all joined.
+
+    ``keep_alive`` (``"30m"``, or seconds) keeps the job's ranks, their variables and their
+    process group alive that long after this kernel dies or restarts: ``nbdist.reattach()`` in
+    a new kernel reconnects to them; with no kernel for that long they exit and the job ends.
 
     The job (``sbatch``) asks for ``nodes`` nodes (default 1) and ``ntasks_per_node`` tasks on each
     (default ``world_size // nodes``; they must multiply to ``world_size``), plus ``partition``,

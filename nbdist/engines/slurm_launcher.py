@@ -59,7 +59,7 @@ class SlurmLauncher(AttachLauncher):
     def launch(self, group_id, choice, opts, threads, tmp, relay):
         """Listen, submit, wait with the job's state shown; ranks ready, or raise with the job
         cancelled."""
-        if self.regen is None:
+        if self.regen is None and self.workdir is None:
             parent = self.workdir_parent or os.path.join(os.path.expanduser("~"), ".nbdist",
                                                          "slurm")
             os.makedirs(parent, mode=0o700, exist_ok=True)
@@ -91,10 +91,20 @@ class SlurmLauncher(AttachLauncher):
         if self._wait is not None:
             self.nodes = slurm_cli.hostnames(self._wait.state[2])
             self._wait = None
+        elif not self.nodes:  # reattached
+            self.nodes = slurm_cli.hostnames(slurm_cli.job_state(self.job_id)[2])
+        if self.keep_alive and self._link is not None:  # the ranks outlive this kernel now
+            open(os.path.join(self.workdir, "released"), "w").close()
         return ready, store
 
     def listening(self, host, port, world_size):
-        """Submit the job (SLURM's refusal comes back here, before anything waits)."""
+        """Submit the job (SLURM's refusal comes back here, before anything waits); when
+        reattaching, say which job's ranks are awaited."""
+        if self.reattach_key:
+            if self.progress:
+                print(f"nbdist: reattaching to SLURM job {self.job_id}: its {world_size} ranks "
+                      f"connect to {host}:{port}.")
+            return
         path = os.path.join(self.workdir, "job.sh")
         with open(path, "w", encoding="utf-8") as f:
             f.write(slurm_cli.batch_script(
@@ -113,6 +123,11 @@ class SlurmLauncher(AttachLauncher):
         if self._wait is not None:
             admission.wake, admission.waiting = self._wait.wake, self._wait
         return admission
+
+    def handle_fields(self):
+        """The job, its files and its layout, saved for ``nbdist.reattach()``."""
+        return {"job": self.job_id, "workdir": self.workdir,
+                "tasks_per_node": self.nproc_per_node}
 
     def job_output(self, lines: int = 12) -> str:
         """The last lines the job's batch script and srun wrote (``""`` if none)."""
@@ -153,15 +168,16 @@ class SlurmLauncher(AttachLauncher):
     def close(self, deadline=None) -> None:
         """Cancel the job, end the owner link, remove the job's files (once; to the end); a
         generation still joining is ended by ``deadline`` (see :meth:`AttachLauncher.close`)."""
+        letting_go = self.letting_go  # a reattach that failed: the job's ranks wait on
         super().close(deadline)
         job, self.job_id = self.job_id, None
-        if job is not None:
+        if job is not None and not letting_go:
             slurm_cli.cancel(job)
         link, self._link = self._link, None
         if link is not None:
             link.kill()
             link.wait()
-        if self.workdir:
+        if self.workdir and not letting_go:
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 

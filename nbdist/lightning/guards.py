@@ -228,6 +228,8 @@ def _patch(pl: str) -> None:
     parallel = importlib.import_module(pl + ".strategies").ParallelStrategy
     script = importlib.import_module(pl + ".strategies.launchers.subprocess_script")
     env_cls = _environment_class(_FABRIC_OF[pl])
+    slurm = importlib.import_module(_FABRIC_OF[pl] + ".plugins.environments").SLURMEnvironment
+    validate_srun = slurm._validate_srun_used
     cls = connector._AcceleratorConnector
     choose, lazy_init = cls._choose_and_init_cluster_environment, cls._lazy_init_strategy
 
@@ -257,6 +259,11 @@ def _patch(pl: str) -> None:
         raise RuntimeError(_spawn_message(f"{self.num_processes - 1} more copies of this script",
                                           _dist().get_world_size()))
 
+    def _validate_srun_used():  # on a rank, told to "prepend srun" where srun is installed
+        if not _in_group():  # (Lightning detects SLURM at every fit): the group is the cluster
+            validate_srun()
+
+    slurm._validate_srun_used = staticmethod(_validate_srun_used)
     deepspeed.register(pl)  # Trainer(strategy="deepspeed_stage_3") gets the CPU-capable class
     cls._choose_and_init_cluster_environment = _choose_and_init_cluster_environment
     cls._lazy_init_strategy = _lazy_init_strategy

@@ -13,6 +13,9 @@ Parts, one owner each:
   each generation's rendezvous store listens on the group's one address (:mod:`.rendezvous`).
   Engines that place ranks themselves (``start(on="slurm")``) live above, in :mod:`nbdist.engines`;
   :mod:`.engines` finds them by name (entry-point group ``nbdist.engines``) without importing them.
+  An engine's group started with ``keep_alive`` outlives the kernel: its ranks wait for a new
+  controller (:mod:`.orphan`, rank 0 serving the store) and ``reattach()`` finds them through a
+  handle file (:mod:`.handles`).
 * :mod:`.ranks` -- a :class:`~nbdist.runtime.ranks.Rank` per rank, the one owner of that rank's
   state (``Rank.MOVES`` is the whole state machine; every change is a method of ``Rank``), and the
   ``RankSet`` a call talks to. :mod:`.processes` -- the process behind a rank, local or started

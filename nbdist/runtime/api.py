@@ -81,10 +81,15 @@ def launch(fn: Callable, *args, world_size: int = 2, backend: Optional[str] = "a
 
 
 def stop_all() -> None:
-    """Stop every group still running in this process (also runs at interpreter exit), each
+    """Stop every group still running in this process (also at interpreter exit, but for groups
+    started with ``keep_alive``, left for :func:`nbdist.reattach`), each
     within about 5 s whatever its ranks do; what a stop could not do is said on stderr (it does
     not stop the others)."""
-    for group in list(group_module._live):
+    _stop_groups(list(group_module._live))
+
+
+def _stop_groups(groups) -> None:
+    for group in groups:
         try:
             group.stop(timeout=5.0)
         except NbdistError as err:  # left something behind: said, and the others still stopped
@@ -92,4 +97,18 @@ def stop_all() -> None:
             sys.stderr.flush()
 
 
-atexit.register(stop_all)
+def stop_for_exit() -> None:
+    """At interpreter exit: stop every group, except those started with ``keep_alive``, whose
+    ranks wait for :func:`nbdist.reattach` in a new kernel."""
+    stopping = []
+    for group in list(group_module._live):
+        kept = getattr(group._launcher, "keep_alive", None)
+        if kept and group.state != "stopped":
+            sys.stderr.write(f"nbdist: group {group.id} keeps its ranks for {kept:g} s "
+                             "(keep_alive): nbdist.reattach() in a new kernel reconnects.\n")
+        else:
+            stopping.append(group)
+    _stop_groups(stopping)
+
+
+atexit.register(stop_for_exit)

@@ -57,6 +57,12 @@ class AttachLauncher(Launcher):
         self.restarts = (0, 0)  #: (torchrun's restart count, its --max-restarts) seen on the ranks
         self._current: List[Rank] = []  #: the generation the group runs
         self._closed = False  # close() is final: stop() may call it while a launch is under way
+        #: seconds the ranks outlive this kernel, waiting for ``nbdist.reattach()`` (an engine's
+        #: group started with ``keep_alive=``; ``None``: they exit with it)
+        self.keep_alive: Optional[float] = None
+        self.engine = ""  #: the engine's name (``on=``), saved in the handle
+        self.reattach_key: Optional[bytes] = None  #: set: reconnect to ranks that outlived a kernel
+        self.handle_path: Optional[str] = None  #: the handle file of a keep_alive group
 
     @property
     def restart_refusal(self) -> Optional[str]:
@@ -91,20 +97,27 @@ class AttachLauncher(Launcher):
         if self.regen is not None:
             return self._next_generation(relay)
         ws = opts["world_size"]
-        listener = transport.listen(*self.address)
-        key = transport.new_key()
+        listener = listen_again(self.address) if self.reattach_key else \
+            transport.listen(*self.address)
+        key = self.reattach_key or transport.new_key()
         try:
             host, port = listener.getsockname()[:2]
-            self.key_file = write_key(key, self.key_file)
-            self.commands = commands(host, port, self.key_file, ws, self.nproc_per_node)
+            if not self.reattach_key:
+                self.key_file = write_key(key, self.key_file)
+                self.commands = commands(host, port, self.key_file, ws, self.nproc_per_node)
             self.listening(host, port, ws)
-            store = host_store(host, ws, opts["timeout"])
+            # reattached ranks have their process group (and rank 0 its store) already
+            store = None if self.reattach_key else host_store(host, ws, opts["timeout"])
             config = {"backend": choice.backend, "device": choice.device,
                       "timeout": float(opts["timeout"]), "threads": threads,
                       "custom_backends": custom_backend_blobs(choice), "rank_hooks": RANK_HOOKS,
-                      "store_tcp": (host, store.port),
+                      "store_tcp": (host, store.port) if store is not None else None,
+                      # keep_alive: rank 0 serves the rendezvous store, which must outlive this
+                      # kernel for dist.new_group after a reattach (docs/multinode.md)
+                      "keep_alive": self.keep_alive, "store_on_rank0": bool(self.keep_alive),
                       "env": dict(opts["env"] or {}, **debug_env(opts["debug"]))}
             admission = self._admission(ws, config, relay, self.progress)
+            admission.reattaching = bool(self.reattach_key)
             ranks: Dict[int, Rank] = {}
             try:
                 ready = accept_until_ready(listener, key, ws, ranks, relay, self.join_timeout,
@@ -121,9 +134,37 @@ class AttachLauncher(Launcher):
             listener.close()
             raise
         self._seen(ready)
+        if self.reattach_key:
+            say_lost_calls(ready)
         self.regen = Regenerator(listener, key, ws, config, relay, self.join_timeout,
                                  lambda cfg, rel: self._admission(ws, cfg, rel, False))
+        if self.keep_alive:
+            self.save_handle(host, port, key, ws, opts)
         return ready, store
+
+    def save_handle(self, host: str, port: int, key: bytes, ws: int, opts) -> None:
+        """A keep_alive group: save what a new kernel needs to reattach (:mod:`.handles`)."""
+        from . import handles
+
+        old, self.handle_path = self.handle_path, handles.save(dict(
+            self.handle_fields(), engine=self.engine, address=[host, port], key=key.hex(),
+            world_size=ws, timeout=float(opts["timeout"]), keep_alive=self.keep_alive,
+            protect=self.protect, pid=os.getpid()))
+        if old != self.handle_path:  # reattached under another name: one handle per group
+            handles.remove(old)
+        if self.progress:
+            print(f"nbdist: the ranks outlive this kernel for {self.keep_alive:g} s (keep_alive); "
+                  f"in a new kernel, nbdist.reattach() (or %dist_start --reattach) reconnects. "
+                  f"Handle: {self.handle_path}")
+
+    @property
+    def letting_go(self) -> bool:
+        """True for a reattach that got no ranks: closing it leaves their job and handle alone."""
+        return bool(self.reattach_key) and not self._current
+
+    def handle_fields(self) -> Dict[str, Any]:
+        """What the engine needs besides the address and the key to reattach (its ``job``)."""
+        return {"job": str(os.getpid())}
 
     def listening(self, host: str, port: int, world_size: int) -> None:
         """The listener and the key file are ready: print the commands that start the ranks (an
@@ -182,6 +223,11 @@ class AttachLauncher(Launcher):
                 # torchrun may restart the failed ranks after this: turn them away for a while
                 regen.close(TURN_AWAY if self.can_relaunch(False) else 0.0, deadline)
                 self.regen = None
+            if self.handle_path and not self.letting_go:  # stopped: nothing to reattach to
+                from . import handles
+
+                handles.remove(self.handle_path)
+                self.handle_path = None
             if self.own_key_file and self.key_file:
                 try:
                     os.unlink(self.key_file)
@@ -219,7 +265,14 @@ class _Remote(Admission):
             return False
         return True
 
+    reattaching = False  #: ranks that outlived a kernel come back (nbdist.reattach)
+
     def timed_out(self, missing, ranks, timeout):
+        if self.reattaching:
+            return (f"reattach: {ranks_phrase(missing)} did not come back within {timeout:.0f} s; "
+                    f"{len(ranks)} of {self.world_size} connected. A rank still running the call "
+                    "it had when its kernel died comes back once that call ends: reattach() "
+                    "again (the ranks wait on), or with a longer join_timeout.")
         return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
                 f"{self.world_size} connected. Check that the launcher command ran on every node "
                 "and can reach this address.")
@@ -231,6 +284,27 @@ class _Remote(Admission):
     def close(self):
         if self.bar is not None:
             self.bar.close()
+
+
+def listen_again(address: Tuple[str, int]):
+    """Listen on the address a kernel that is gone listened on (its ranks come back there);
+    :class:`NbdistError` saying why when it is taken."""
+    try:
+        return transport.listen(*address)
+    except OSError as err:
+        raise NbdistError(f"reattach: cannot listen on {address[0]}:{address[1]}, where the ranks "
+                          f"look for their controller ({err}). Is another kernel attached to "
+                          "them, or did another program take the port?") from None
+
+
+def say_lost_calls(ranks: List[Rank]) -> None:
+    """Reattached ranks that were running a call when their kernel went: its result is lost."""
+    lost = [r.rank for r in ranks if (r.info or {}).get("lost_call") is not None]
+    if lost:
+        print(f"nbdist: {ranks_phrase(lost)} {'was' if len(lost) == 1 else 'were'} running a call when the kernel that sent it "
+              "went; it ran to its end with no kernel to answer, so its result (its value or "
+              "its error) is lost and its output went to the job's log. The variables it set "
+              "are on the ranks.", file=sys.stderr)
 
 
 def agreed_choice(choice: BackendChoice, infos: Dict[int, Dict[str, Any]]) -> BackendChoice:

@@ -206,7 +206,7 @@ def settle(call: Call, rs: RankSet, grace: float, auto_restart: bool,
     if call.outcome == OK:
         return _decode(call, rs, world_size, auto_restart)
     if call.outcome == DIED:
-        return Verdict(error=_deaths(call, rs), broken=True)
+        return Verdict(error=_deaths(call, rs, auto_restart), broken=True)
     waiting = sorted(call.pending)
     where = stacks.at_timeout(call, rs, waiting, world_size) if call.outcome == TIMEOUT else None
     killed, torn = _stop_pending(call, rs, grace)
@@ -280,7 +280,7 @@ def _after_stop_text(killed: List[int], torn: List[int], grace: float, auto_rest
     return f"{'; '.join(why)}; the group is broken: {how}."
 
 
-def _deaths(call: Call, rs: RankSet) -> RankDiedError:
+def _deaths(call: Call, rs: RankSet, auto_restart: bool) -> RankDiedError:
     # Survivors blocked in a collective with the dead rank fail within ~30 ms (gloo): wait a
     # moment for their replies, so their state is known, then report.
     poll_until(lambda: not call.pending - call.dead, lambda left: call.poll(rs, left),
@@ -301,6 +301,9 @@ def _deaths(call: Call, rs: RankSet) -> RankDiedError:
     if rs.ends_survivors:
         text = attached_advice([r for r in ended if r not in deaths], rs)
         advice = f"The group failed. {text[0].upper()}{text[1:]}."
+    elif auto_restart:  # not "call restart()": the next call does it
+        advice = ("The group was shut down; it restarts on the next call (auto_restart; "
+                  "per-rank variables are lost).")
     return RankDiedError(deaths, hint_for(tails) or "", advice)
 
 

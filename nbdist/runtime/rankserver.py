@@ -30,7 +30,8 @@ from ..wire import pump, segments, serialize, transport
 from ..wire import seal as seal_module
 from ..wire.pool import SegmentPool
 from ..wire.relay import ABORT_EXIT_CODE
-from . import cells, imports, postmortem, rankpdb, ranklog, recorder, sealed, stacks, streams
+from . import (cells, imports, orphan, postmortem, rankpdb, ranklog, recorder, sealed, stacks,
+               streams)
 from .worker_signals import SIGINT_MASK, SIGINT_SET, Interrupts, ignore_sigint, recv_whole
 
 _COMMAND = re.compile(rb"([ISA])(\d+);")  # interrupt request n; stacks n (main / all threads)
@@ -68,17 +69,18 @@ class _Worker:
         # "X" exits it with ABORT_EXIT_CODE (the group failed: the launcher must see a failure, not
         # wait in its exit barrier). EOF or an error means the controller is gone: exit at once,
         # never outlive it. Keepalive notices a controller host that vanished without a word.
-        transport.keepalive(self.lifeline)
+        lifeline = self.lifeline  # a rank that outlives its controller gets new ones (orphan)
+        transport.keepalive(lifeline)
         code, why = 70, ("lost the controller (the notebook's kernel exited or its host is "
                          "unreachable)")
         held = b""  # plain streams: the start of an "I<seq>;" (or "S<n>;") cut by recv()
         try:
             while True:
                 if self.lifeline_seal is not None:  # protected: one sealed command per frame
-                    data = seal_module.read_frame(self.lifeline, self.lifeline_seal,
+                    data = seal_module.read_frame(lifeline, self.lifeline_seal,
                                                   transport.recv_exact)
                 else:
-                    data = self.lifeline.recv(64)
+                    data = lifeline.recv(64)
                 if not data:
                     break
                 data, held = held + data, b""
@@ -101,6 +103,9 @@ class _Worker:
             self.refuse(err)
         except (OSError, ValueError):  # the lifeline failed: exit
             pass
+        if code != ABORT_EXIT_CODE and orphan.kept():  # keep_alive: wait for a new controller
+            orphan.lost(self, lifeline)
+            return
         if getattr(self, "launcher_stderr", None) is not None:
             try:
                 os.write(self.launcher_stderr, f"nbdist.worker rank {self.rank}: {why}; exiting "
@@ -139,6 +144,8 @@ class _Worker:
             host, port = cfg["store_tcp"]
             store = dist.TCPStore(host, port, cfg["world_size"], is_master=False,
                                   timeout=timedelta(seconds=cfg["timeout"]))
+            if cfg.get("store_on_rank0"):  # keep_alive: the store outlives the controller
+                store = orphan.rank0_store(self, store, cfg["world_size"], cfg["timeout"])
         else:
             store = dist.FileStore(cfg["store_path"], cfg["world_size"])
         dist.init_process_group(cfg["backend"], store=store, rank=self.rank,

@@ -33,8 +33,12 @@ def _say(text: str) -> None:
 
 def stream_lost() -> None:
     """The controller dropped a stream (it refused a frame, or is gone): exit, as the watchdog
-    does when the controller goes away (the controller reports the rank)."""
-    pump.exit_now(70)
+    does when the controller goes away (the controller reports the rank) -- unless the rank
+    outlives its controller (``keep_alive``: :mod:`.orphan`)."""
+    from . import orphan
+
+    if not orphan.kept():
+        pump.exit_now(70)
 
 
 def refuse(rank: int, err: BaseException) -> None:

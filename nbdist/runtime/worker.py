@@ -30,6 +30,7 @@ from typing import Any, Dict
 import torch.distributed as dist
 
 from ..wire import pump, transport
+from . import orphan
 from .rankserver import _failure, _flush_output, _Worker
 from .worker_signals import sigint_ignored
 
@@ -76,13 +77,18 @@ def _run(worker: _Worker, channel: transport.Channel) -> None:
         _flush_output()
         channel.send(("init_err", -1, _failure(exc, worker.rank)))
         pump.exit_now(3)
+    worker.ready_report = info  # sent again to a controller that reattaches (keep_alive)
     channel.send(("ready", -1, info))
-    try:
-        worker.serve(channel)
-    except transport.IntegrityError as err:  # protected group: a tampered message
-        worker.refuse(err)
-    except (ConnectionError, OSError):
-        pump.exit_now(71)  # the controller is gone
+    while True:
+        try:
+            worker.serve(channel)
+            break
+        except transport.IntegrityError as err:  # protected group: a tampered message
+            worker.refuse(err)
+        except (ConnectionError, OSError):
+            if not orphan.kept():
+                pump.exit_now(71)  # the controller is gone
+            channel = orphan.await_controller(worker, getattr(worker, "hello", {}))
     try:
         dist.destroy_process_group()
         atexit._run_exitfuncs()  # user atexit handlers, multiprocessing's finalizers (semaphores)
@@ -144,6 +150,8 @@ def cli(argv=None) -> None:
     if kind != "config":
         pump.exit_now(72)
     cfg.update(extra, local_rank=local_rank, world_size=world)
+    worker.hello = hello
+    orphan.SECONDS = extra.get("keep_alive") or None  # an engine's group: may outlive the kernel
     for k, v in extra.get("env", {}).items():
         os.environ[k] = v
     os.environ.setdefault("LOCAL_RANK", str(local_rank))

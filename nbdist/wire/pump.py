@@ -146,6 +146,17 @@ class PipePump:
 PUMPS: List[PipePump] = []  #: this process's pumps (a worker has at most one per stream)
 
 
+def abandon_pumps() -> None:
+    """Worker side, its controller gone (``keep_alive``): forget this process's pumps, their
+    threads ending once their pipe is drained; new streams bring new pumps."""
+    for old in PUMPS:
+        try:
+            os.close(old._write_fd)  # the fds were pointed elsewhere: the pipe ends, its thread too
+        except OSError:
+            pass
+    PUMPS.clear()
+
+
 def exit_now(code: int) -> None:
     """End this process at once, without the wait for the pumps that a rank's ``os._exit`` makes
     (:mod:`nbdist.runtime.streams`): nbdist's own exits, when the caller is gone or has been told."""

@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import contextvars
 import errno
+import re
 import selectors
 import socket
 import sys
@@ -49,6 +50,9 @@ def default_sink(rank: int, stream: str, text: str) -> None:
     out = sys.stderr if stream == "stderr" else sys.stdout
     out.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
     out.flush()
+
+
+_INVISIBLE = re.compile(r"\x1b\[[0-?]*[ -/]*[@-ln-~]")  # cursor, erase: CSI codes but colours
 
 
 class Lifeline:
@@ -344,6 +348,11 @@ class OutputRelay:
     def _emit(self, rank: int, stream: str, text: str) -> None:
         if "\r" in text:  # progress bars redraw with \r: keep what the terminal would show
             text = "\n".join(line.rstrip("\r").rsplit("\r", 1)[-1] for line in text.split("\n"))
+        if "\x1b[" in text:  # nor cursor or erase codes: a line of them only (rich) is none
+            text = "\n".join(kept for line in text.split("\n") for kept in
+                              [_INVISIBLE.sub("", line)] if kept.strip() or kept == line)
+            if not text:
+                return
         if stream == "stderr":
             self._tails[rank].extend(text.splitlines())
         try:

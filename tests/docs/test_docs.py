@@ -85,6 +85,11 @@ def test_key_pages_exist(site, name):
     assert "<h1>" in page
 
 
+#: tutorials the site shows unexecuted (docs/conf.py's nb_execution_excludepatterns), and why
+UNEXECUTED = {"12_from_this_laptop_to_a_cluster.ipynb": "needs a SLURM cluster and a kernel "
+              "restart; tests/notebooks/test_tutorial_slurm.py runs it against the local SLURM"}
+
+
 @pytest.mark.timeout(BUILD_TIMEOUT + 60)
 def test_every_notebook_is_a_tutorial_page_with_outputs(site):
     assert NOTEBOOKS, "no notebooks/*.ipynb"
@@ -92,6 +97,8 @@ def test_every_notebook_is_a_tutorial_page_with_outputs(site):
     for nb in NOTEBOOKS:
         page = _page(site, f"tutorials/{nb.stem}")
         assert f'href="tutorials/{nb.stem}.html"' in index, f"{nb.name} missing from the toctree"
+        if nb.name in UNEXECUTED:
+            continue
         outputs = page.count('class="cell_output')
         assert outputs >= 1, f"{nb.name}: no executed output on its page"
     assert "Executing notebook failed" not in site[1]

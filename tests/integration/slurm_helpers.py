@@ -15,6 +15,7 @@ import psutil
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+MAX_TIME = "2:00:00"  #: the test partition's time limit
 
 
 def script() -> Path:
@@ -49,7 +50,10 @@ class LocalSlurm:
         # as most clusters: a node set down stays down (with its reason) until it is resumed;
         # the script's ReturnToService=2 would bring it back (reason cleared) within seconds
         conf = directory / "slurm.conf"
-        conf.write_text(conf.read_text().replace("ReturnToService=2", "ReturnToService=1"))
+        # and a partition time limit that sbatch enforces (a longer --time is refused at once)
+        conf.write_text(conf.read_text().replace("ReturnToService=2", "ReturnToService=1")
+                        .replace("MaxTime=INFINITE", f"MaxTime={MAX_TIME}")
+                        + "EnforcePartLimits=ALL\n")
         self.scontrol("reconfigure")
 
     def jobs(self) -> List[str]:

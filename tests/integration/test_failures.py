@@ -159,6 +159,16 @@ def test_auto_restart_after_a_broken_group():
         assert g.run(lambda: 5) == [5, 5]
 
 
+def test_auto_restart_after_a_rank_died_says_the_next_call_restarts():
+    """Not "call restart()", which a reader of tutorial 06 would do for nothing (issue 35)."""
+    with nbdist.start(2, auto_restart=True) as g:
+        with pytest.raises(nbdist.RankDiedError, match=r"rank 1 exited with code 3\.\nThe "
+                           r"group was shut down; it restarts on the next call \(auto_restart; "
+                           r"per-rank variables are lost\)\.$"):
+            g.exec("import os\nif rank == 1: os._exit(3)")
+        assert g.state == "broken" and g.run(lambda: 5) == [5, 5] and g.state == "ready"
+
+
 def test_status_shows_a_busy_rank_from_another_thread(group):
     seen = []
 

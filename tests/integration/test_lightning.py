@@ -331,3 +331,32 @@ def test_fit_in_the_background_streams_what_the_module_logs(g, nb, tmp_path):
     assert {row["rank"] for row in losses} == {0, 1}
     assert max(row["step"] for row in losses) == 12  # one row per training batch, at its step
     assert job.metrics.last()[0]["loss"][1] == pytest.approx(results[0].metrics["loss"])
+
+
+def test_no_slurm_hint_on_a_rank_with_srun_on_its_path(g, tmp_path):
+    """The group is the cluster environment: a machine with ``srun`` installed does not get
+    SLURM's "prepend your python command with srun" warning on the ranks, which Lightning checks
+    when it builds a Trainer and again at every fit (tutorial 05 showed it, issue 35's review)."""
+    fake = tmp_path / "srun"
+    fake.write_text("#!/bin/sh\nexit 0\n")
+    fake.chmod(0o755)
+    said = g.exec(
+        "import warnings\nold = os.environ['PATH']\n"
+        f"os.environ['PATH'] = {str(tmp_path)!r} + os.pathsep + old\n"
+        "try:\n"
+        "    with warnings.catch_warnings(record=True) as seen:\n"
+        "        warnings.simplefilter('always')\n"
+        f"        trainer = pl.Trainer(strategy='ddp', devices=2, {TRAINER}, "
+        "enable_progress_bar=False)\n"
+        "        trainer.fit(Toy(), make_data())\n"
+        "finally:\n    os.environ['PATH'] = old\n"
+        "(type(trainer.strategy.cluster_environment).__name__, "
+        "[str(w.message) for w in seen if 'srun' in str(w.message)])")
+    assert said == [("NbdistEnvironment", [])] * 2, said
+    # outside a group Lightning's detection runs as it always does: the hint is its own
+    import shutil
+    import pytorch_lightning as pl
+    from unittest import mock
+    with mock.patch.object(shutil, "which", lambda name: str(fake)), \
+            pytest.warns(UserWarning, match="srun"):
+        pl.Trainer(accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)

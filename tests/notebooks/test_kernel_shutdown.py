@@ -97,15 +97,15 @@ def test_the_shutdown_hook_stops_groups_first_and_never_blocks_the_shutdown(capf
     kernel = Kernel()
     kernel.do_shutdown = magics._stopping_first(kernel.do_shutdown)
     wrapped = kernel.do_shutdown
-    monkeypatch.setattr(magics, "stop_all", lambda: calls.append("stop_all"))
+    monkeypatch.setattr(magics, "stop_for_exit", lambda: calls.append("stop_for_exit"))
     monkeypatch.setattr(magics, "close_helpers", lambda: calls.append("close_helpers"))
     assert wrapped(True) == {"status": "ok", "restart": True}
-    assert calls == ["stop_all", "close_helpers", ("kernel", True)]
+    assert calls == ["stop_for_exit", "close_helpers", ("kernel", True)]
 
     def failing():
         raise RuntimeError("a rank would not stop")
 
-    monkeypatch.setattr(magics, "stop_all", failing)
+    monkeypatch.setattr(magics, "stop_for_exit", failing)
     calls.clear()
     assert wrapped(False) == {"status": "ok", "restart": False}
     assert calls == [("kernel", False)]

@@ -71,9 +71,11 @@ def test_quickstart(tmp_path):
     assert "[tensor([3., 3., 3.]), tensor([3., 3., 3.])]" in out[6]  # one per rank, in order
     assert "--- rank 1 ---" in out[7] and "ValueError: something went wrong on rank 1" in out[7]
     assert "--- rank 0 ---" not in out[7]
-    assert "still here on rank 0" in out[8] and "still here on rank 1" in out[8]
-    status = {line.split()[0]: line for line in out[9].splitlines()[2:]}
-    assert "ValueError" in status["1"] and "ValueError" not in status["0"], out[9]
+    assert "Out[rank 0]" not in out[7]  # a failing cell shows no values, as the text says
+    assert out[8].strip() == "['fine', None]"  # rank 0's value, kept in the error
+    assert "still here on rank 0" in out[9] and "still here on rank 1" in out[9]
+    status = {line.split()[0]: line for line in out[10].splitlines()[2:]}
+    assert "ValueError" in status["1"] and "ValueError" not in status["0"], out[10]
     assert "group stopped" in text and not _stderr(nb)
 
 
@@ -93,6 +95,9 @@ def test_backends(tmp_path):
     assert bench.startswith("load average (1 min): ") and "memcpy, 64 MiB on one core:" in bench
     header = bench.splitlines()[1]  # one unit per column, in its header
     assert "size (" in header and "median (" in header and "busbw (GB/s)" in header, bench
+    # the note under it speaks of these columns only (issue 35: p10, p90, algbw named, not shown)
+    assert "median of 50 iterations, slowest rank; busbw = size / median" in bench, bench
+    assert "p10" not in bench and "algbw" not in bench, bench
     ratios = {line.split(":")[0]: float(line.split("takes ")[1].split("x")[0])
               for line in bench.splitlines() if "nbdist_shm takes" in line}
     assert set(ratios) == {"4 KiB", "4 MiB"} and all(r > 0 for r in ratios.values()), bench
@@ -110,11 +115,20 @@ def test_failures(tmp_path):
     assert "rank 1 was killed by SIGABRT" in out[4] and "This is a collective mismatch" in out[4]
     assert "--- rank 1 stderr (last lines) ---" in out[4]
     assert "Received data size doesn't match" in _stderr(nb)  # rank 1's own abort, a real error
+    # debug="detail": an ordinary error on both ranks, each rank's call named, group survives
+    assert "Mismatched collectives: rank 0 failed in all_reduce #1 (1000 float32); rank 1 " \
+           "failed in all_reduce #1 (500 float32)." in out[5], out[5]
+    assert "at about 3x the cost of a small collective" in out[5]  # "the note says how much"
+    assert out[5].rstrip().endswith("ready [0, 1]"), out[5]
     assert "ranks 0, 1 still running after 2 s; rank 1 stopped on SIGINT; rank 0 did not react" \
-        in out[5] and "rank 1 never reached collective #1" in out[5]
-    assert out[5].rstrip().endswith("broken")
-    assert "interrupted ranks 0, 1; stopped on SIGINT; the group is still usable." in out[6]
-    assert "['usable again', 'usable again']" in out[6]
+        in out[6] and "rank 1 never reached collective #1" in out[6]
+    assert out[6].rstrip().endswith("broken")
+    assert "interrupted ranks 0, 1; stopped on SIGINT; the group is still usable." in out[7]
+    assert "['usable again', 'usable again']" in out[7]
+    # auto_restart: the error says the next call restarts, and it does
+    assert "rank 1 exited with code 3.\nThe group was shut down; it restarts on the next call " \
+           "(auto_restart; per-rank variables are lost)." in out[8], out[8]
+    assert out[8].rstrip().endswith("broken -> [0, 1] -> ready"), out[8]
 
 
 def test_widgets(tmp_path):
@@ -126,6 +140,13 @@ def test_widgets(tmp_path):
     assert "14 points on gloo x2" in out[3]  # 2 ops x 7 sizes from 4 KiB to 256 KiB
     assert "measured 3 strategies on 2 ranks" in out[4]
     assert _widget_pngs(nb) >= 3  # the benchmark's figure, the memory bars, the estimate curve
+    # a page without the widgets shows each panel's own text and HTML, not a repr of children
+    views = [o["data"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert len(views) == 5, len(views)  # launcher, bench, memory twice, mesh
+    assert all(v["text/plain"].startswith("nbdist ") and "children=" not in v["text/plain"]
+               and "need a running kernel" in v["text/html"] for v in views), views
+    assert "<img src='data:image/png;base64," in views[1]["text/html"]  # the bench figure
     assert not _stderr(nb)
 
 
@@ -257,7 +278,13 @@ def test_memory(tmp_path):
     assert any(re.match(r"fsdp2: other: DeviceMesh(\.\w+)? \(8 B\)", n) for n in under), under
     assert any(n.startswith("peak: not measured on CPU") for n in under)
     assert any(n.startswith("rss (process memory, not in the table)") for n in under)
+    # the text's in-flight figure is the table's: 0.047 MiB, three 8 x 512 fp32 tensors
+    assert flight["ddp"] == round(3 * 8 * 512 * 4 / 2**20, 3) == 0.047
+    prose = "".join(c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "0.047 MiB here, 48 KiB" in prose and "here MiB for all of them" in prose
+    assert {h.rsplit("(", 1)[1] for h in table if "(" in h} == {"MiB)", "%)"}, table.keys()
     columns(out[4])
+    assert out[5].count("ZeRO paper") == 1, out[5]  # the basis once, not on every line
     assert "120.0 GB" in text and "31.4 GB" in text and "16.6 GB" in text and "1.9 GB" in text
 
 
@@ -268,6 +295,10 @@ def test_lightning(tmp_path):
     nb, out = run_notebook("05_lightning.ipynb", tmp_path)
     text = "\n".join(out)
     assert "(0, 'gloo', 12" in out[3] and "(1, 'gloo', 12" in out[3]  # 3 epochs x 32/8 batches
+    assert "Epoch 2/2" in out[3]  # the text explains Lightning's count from 0
+    # no empty rank lines left by the progress bar's cursor codes, no SLURM hint on the ranks
+    assert not [line for line in text.splitlines() if line.strip() in ("[rank 0]", "[rank 1]")]
+    assert "srun" not in _stderr(nb)
     losses = {line.split(",")[1].split(":")[0].strip(): float(line.rsplit(":", 1)[1])
               for line in out[4].splitlines() if line.startswith("loss in the kernel")}
     assert losses["weights trained on the ranks"] < losses["fresh weights"], out[4]
@@ -466,8 +497,16 @@ def test_when_a_rank_hangs(tmp_path):
            "broadcast #4 (1 float32)." in text
     assert "log_metrics -> c10d_logger.py:83 wrapper -> distributed_c10d.py:" in text
     # each rank's place: the cell that defined the function, the line counted in that cell
-    assert "rank 1: <string in Cell In[3]>:3 <module> -> Cell In[2]:25 log_metrics -> " in text
-    assert "rank 0: <string in Cell In[3]>:3 <module> -> Cell In[2]:23 log_metrics -> " in text
+    assert "rank 1: <string in Cell In[3]>:3 <module> -> Cell In[2]:18 log_metrics -> " in text
+    assert "rank 0: <string in Cell In[3]>:3 <module> -> Cell In[2]:16 log_metrics -> " in text
+    # the text names the line the output gives, and that line is rank 0's all_reduce
+    code = [c.source for c in nb.cells if c.cell_type == "code"]
+    assert "`Cell In[2]:16 log_metrics` is line 16" in "".join(
+        c.source for c in nb.cells if c.cell_type == "markdown")
+    assert "dist.all_reduce(w.sum()" in code[1].splitlines()[15]
+    assert "dist.broadcast(" in code[1].splitlines()[17]
+    for name in ("SLOW_STEP", "NAN_STEP"):  # issue 35: set and never used
+        assert name not in "".join(code)
     assert "rank 1 never reached collective #3 (its last was #2); it is at Cell In[5]:5 " \
            "load_batch." in text
     assert "    Cell In[5], line 5, in load_batch\n      time.sleep(6)" in text  # its source line

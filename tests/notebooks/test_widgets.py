@@ -325,6 +325,28 @@ def test_memory_panel_inputs(panels):
     assert mp.error.startswith("measuring failed: GroupClosedError: no nbdist group is running")
 
 
+def test_panels_show_what_they_hold_on_a_page_without_widgets(panels):
+    """Issue 35's review of tutorials 05 and 07: a page that cannot run the widgets showed the
+    launcher, the benchmark and the memory panels as 'Launcher(children=(HTML(value=...' or an
+    empty Out[]; each bundle carries the panel's text, tables and figures as they are now."""
+    mp = panels(memory_panel, model="7.5B")
+    data = mp._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    assert data["text/plain"] == "nbdist memory per rank"
+    page = data["text/html"]
+    assert "Ψ=7,500,000,000," in page and page.count("<img src='data:image/png;base64,") == 1
+    assert "need a running kernel" in page
+    mp.run_button.click()  # no group: the error is what the panel shows, and what the text says
+    assert panels(memory_panel, model="7.5B")._repr_mimebundle_()["text/plain"] == \
+        "nbdist memory per rank"
+    assert mp._repr_mimebundle_()["text/plain"].startswith(
+        "nbdist memory per rank: measuring failed: ValueError: the model '7.5B' is a "
+        "parameter count")
+    text = panels(bench_panel)._repr_mimebundle_()["text/plain"]
+    assert text == "nbdist collective benchmark", text
+    assert panels(launcher)._repr_mimebundle_()["text/plain"].startswith("nbdist launcher")
+
+
 # ---- %dist_ui -----------------------------------------------------------------------------------
 @pytest.mark.timeout(60)
 def test_dist_ui_magic(shell, panels):

@@ -1,10 +1,11 @@
 """A control channel is torn per direction (issue 34, risk 7): a debugger's thread now sends on a
 channel another thread reads, and one flag for both let a whole send hide a half-read message."""
 import pickle
-import socket
 import threading
 
 import pytest
+
+from loopback import tcp_pair
 
 from nbdist.wire import transport
 from nbdist.wire.deadline import Deadline, poll_until
@@ -12,17 +13,11 @@ from nbdist.wire.deadline import Deadline, poll_until
 pytestmark = pytest.mark.timeout(30)
 
 
-def _tcp_pair():
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        b = socket.create_connection(listener.getsockname())
-        a, _ = listener.accept()
-    return a, b
-
 
 def test_a_whole_send_does_not_hide_a_message_half_read_on_another_thread():
     """Was: ``Channel.torn`` was one flag; the send set it and cleared it, so while the reading
     thread was halfway through a message the channel said it was whole."""
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     channel = transport.Channel(a)
     got = {}
     body = pickle.dumps(("ok", 1, "x" * 100, []))

@@ -2,6 +2,7 @@
 through real installation metadata (a ``.dist-info`` on ``sys.path``), and the bad input that is
 refused before anything is submitted -- none of these start a process or need SLURM."""
 import importlib.metadata
+import json
 import sys
 
 import pytest
@@ -29,6 +30,18 @@ class ElsewhereEngine(Engine):
         return LocalLauncher()
 
 
+class PlainEngine(Engine):
+    """A third-party engine that places its ranks with a plain launcher (not an AttachLauncher),
+    and does not implement reattach."""
+
+    name = "plain"
+
+    def launcher(self, world_size):
+        from nbdist.runtime.launcher import LocalLauncher
+
+        return LocalLauncher()
+
+
 @pytest.fixture
 def third_party(tmp_path, monkeypatch):
     """A package installed with an entry point in group ``nbdist.engines`` (and one that breaks)."""
@@ -37,7 +50,8 @@ def third_party(tmp_path, monkeypatch):
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: elsewhere-engine\nVersion: 1.0\n")
     (info / "entry_points.txt").write_text(
         f"[{ENTRY_POINT_GROUP}]\nelsewhere = test_engines:ElsewhereEngine\n"
-        "broken = no_such_module_here:Engine\nslurm = test_engines:ElsewhereEngine\n")
+        "broken = no_such_module_here:Engine\nslurm = test_engines:ElsewhereEngine\n"
+        "plain = test_engines:PlainEngine\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield
@@ -46,7 +60,8 @@ def third_party(tmp_path, monkeypatch):
 def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no SLURM commands here, whatever the machine
     here = available_engines()
-    assert list(here)[:2] == ["local", "slurm"]  # built-in first; an entry point cannot replace one
+    # built-in first; an entry point cannot replace one
+    assert list(here)[:4] == ["local", "slurm", "ray", "k8s"]
     assert here["local"] is None
     assert here["slurm"] == "no sbatch on PATH"
     assert here["elsewhere"] == "elsewhere-client is not installed"
@@ -61,7 +76,7 @@ def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, 
 
 def test_an_unknown_engine_lists_the_engines():
     with pytest.raises(ValueError, match=r"unknown engine on='kubernetes'; the engines are: "
-                                         r"'local', 'slurm'.* entry-point group 'nbdist.engines'"):
+                                         r"'local', 'slurm', 'ray', 'k8s'.* entry-point group 'nbdist.engines'"):
         nbdist.start(2, on="kubernetes")
 
 
@@ -76,6 +91,55 @@ def test_an_option_the_engine_does_not_take_names_what_it_takes():
 def test_keep_alive_on_a_local_group_is_refused():
     with pytest.raises(ValueError, match="keep_alive is for groups an engine launched"):
         nbdist.start(2, keep_alive="30m")
+
+
+def test_keep_alive_on_an_engine_whose_launcher_cannot_keep_the_ranks_is_refused(third_party):
+    with pytest.raises(ValueError, match=r"keep_alive: the engine 'plain' places its ranks with "
+                                         r"a launcher that cannot keep them past this kernel \(it "
+                                         r"is not an AttachLauncher\); drop keep_alive\."):
+        nbdist.start(2, on="plain", keep_alive="30m")
+
+
+@pytest.mark.parametrize("engine", ["local", "plain"])  # no engine class; no Engine.reattach
+def test_reattach_to_a_handle_whose_engine_cannot_reattach_says_so(third_party, tmp_path,
+                                                                   monkeypatch, engine):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    handle = tmp_path / f"nbdist-{engine}-5.json"
+    handle.write_text(json.dumps({"job": "5", "engine": engine, "address": ["127.0.0.1", 9],
+                                  "key": "00", "world_size": 2, "keep_alive": 60}))
+    with pytest.raises(nbdist.NbdistError, match=rf"reattach\(\): the engine '{engine}' of "
+                                                 rf".*nbdist-{engine}-5\.json cannot reattach "
+                                                 r"\(it does not implement Engine\.reattach and "
+                                                 r"Engine\.ended\)\. Remove that handle and "
+                                                 r"start a new group\."):
+        nbdist.reattach()
+    assert handle.exists()  # the user's to remove, as the message says
+
+
+def test_keep_alive_is_a_duration():
+    from nbdist.runtime.handles import keep_alive_seconds
+
+    assert [keep_alive_seconds(v) for v in ("30m", "90s", "2h", "1d", 45, 0.5, "10")] == \
+        [1800.0, 90.0, 7200.0, 86400.0, 45.0, 0.5, 10.0]
+    for bad in ("soon", 0, -3, "5 minutes", True):
+        with pytest.raises(ValueError, match=r"keep_alive must be a duration: seconds \(e\.g\. "
+                                             r"1800\) or a number with s, m, h or d \(e\.g\. "
+                                             rf"'30m', '2h'\), more than 0; got {bad!r}"):
+            nbdist.start(2, on="slurm", nodes=2, keep_alive=bad)
+
+
+def test_reattach_without_a_saved_handle_says_how_to_get_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path))
+    with pytest.raises(nbdist.NbdistError, match=r"reattach\(\): no saved nbdist group in .*\. A "
+                                                 r"group leaves one there when it is started "
+                                                 r"with keep_alive, e\.g\. nbdist\.start\(2, "
+                                                 r"on='slurm', keep_alive='30m'\)"):
+        nbdist.reattach()
+    (tmp_path / "nbdist-slurm-77.json").write_text('{"job": "77", "engine": "slurm"}')
+    with pytest.raises(nbdist.NbdistError, match=r"no saved nbdist group for job '12' in .* "
+                                                 r"\(there are handles for other jobs: "
+                                                 r"nbdist-slurm-77\.json\)"):
+        nbdist.reattach("12")
 
 
 @pytest.mark.parametrize("ws, nodes, per_node, expected", [

@@ -15,7 +15,7 @@ API = {
         "GroupInterrupted", "Job", "JobPausedError", "Metrics", "NbdistError", "RankDiedError",
         "RemoteError", "Stacks",
         "attach", "available_backends", "current_group", "launch", "load_ipython_extension",
-        "log", "register_backend",
+        "log", "reattach", "register_backend",
         "resolve_backend", "start", "step", "stop_all", "unload_ipython_extension", "use_group",
     ],
     "nbdist.backends": [
@@ -47,6 +47,7 @@ API = {
     "nbdist.engines": ["ENTRY_POINT_GROUP", "Engine", "available_engines"],
     "nbdist.engines.slurm": ["SlurmEngine", "start"],
     "nbdist.engines.ray": ["PLACEMENTS", "RayEngine", "start"],
+    "nbdist.engines.k8s": ["K8sEngine", "Manifests", "manifests", "start"],
     "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
                          "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
     "nbdist.ui": ["BenchPanel", "Launcher", "MemoryPanel", "MeshPanel", "Watch", "bench_panel",

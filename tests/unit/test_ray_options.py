@@ -23,7 +23,8 @@ from nbdist.runtime.engines import engines_here
     (dict(runtime_env="env.yaml"), TypeError, "runtime_env must be a dict"),
     (dict(placement_timeout=0), ValueError, "placement_timeout must be a positive number"),
     (dict(listen="0.0.0.0:0"), ValueError, "listen on one address you chose"),
-    (dict(keep_alive="30m"), NotImplementedError, "keep_alive .* is not built yet"),
+    (dict(keep_alive="30m"), ValueError, "keep_alive: the engine 'ray' cannot take its ranks "
+                                          "back in a new kernel"),
 ])
 def test_bad_options_are_refused_before_ray_is_asked(options, error, message):
     with pytest.raises(error, match=message):
@@ -33,7 +34,7 @@ def test_bad_options_are_refused_before_ray_is_asked(options, error, message):
 def test_the_ray_module_and_its_bundle():
     assert nbdist.ray.start is nbdist.engines.ray.start and PLACEMENTS[0] == "PACK"
     assert bundle_of(1, 0.5, {"TPU": 1, "spare": 0}) == {"CPU": 1.0, "GPU": 0.5, "TPU": 1.0}
-    assert RayEngine.name == "ray" and "keep_alive" in RayEngine.options
+    assert RayEngine.name == "ray" and "keep_alive" not in RayEngine.options
 
 
 def test_without_ray_the_engine_says_it_is_not_installed(monkeypatch):

@@ -156,3 +156,17 @@ def test_a_signed_stream_moved_to_the_groups_relay_stays_signed():
         group.close()
         for peer in peers.values():
             peer.close()
+
+
+def test_cursor_and_erase_codes_leave_no_line_of_their_own(relay):
+    """Lightning's rich progress bar ends with '\\x1b[?25h' (show the cursor) on a line of its
+    own, and erases its line with '\\x1b[2K': the notebook showed an empty '[rank 0]' line under
+    every fit (tutorial 05, issue 35's review). Colours stay; an empty line printed stays."""
+    ranks = Ranks(relay, 1)
+    ranks.end(0, "\x1b[2KEpoch 1/1 \x1b[35m━━━\x1b[0m 4/4\n\x1b[?25h\n\nend\n")
+    assert relay.wait_closed(0, 10.0)
+    relay.drain()
+    shown = "\n".join(t for _, _, t in relay.lines)
+    assert shown == "Epoch 1/1 \x1b[35m━━━\x1b[0m 4/4\n\nend"
+    assert relay.tail(0) == shown
+    ranks.close()

@@ -5,24 +5,19 @@ import threading
 
 import pytest
 
+from loopback import tcp_pair
+
 from nbdist.wire import transport
 from nbdist.wire.seal import REFUSED_BY_PEER, REFUSED_BY_US, FrameReader, IntegrityError, Seal
 
 pytestmark = pytest.mark.timeout(30)
 
 
-def _tcp_pair():
-    """Two ends of a real loopback TCP connection."""
-    with socket.create_server(("127.0.0.1", 0)) as listener:
-        b = socket.create_connection(listener.getsockname())
-        a, _ = listener.accept()
-    return a, b
-
 
 def _pair(protect, key=None, hello=None):
     """A connected (server, client) pair after a real handshake over loopback TCP."""
     key = key or transport.new_key()
-    a, b = _tcp_pair()
+    a, b = tcp_pair()
     box = {}
 
     def serve():

@@ -130,6 +130,17 @@ def test_sweep_table_has_one_unit_per_column_in_html_and_text():
     assert len({len(line) for line in lines}) == 1
 
 
+def test_sweep_notes_describe_only_the_columns_shown():
+    """Tutorial 02 shows median and busbw only: its note named p10, p90 and algbw, columns a
+    reader could not find (issue 35's review)."""
+    records = _sweep()
+    _, lines = _text_table(records.format(["backend", "bytes", "time_s", "busbw_GBps"]))
+    assert lines[len(records):] == [
+        "median of 3 iterations, slowest rank; busbw = size / median x the op's bus factor"]
+    _, lines = _text_table(records.format(["op", "time_s", "p10_s", "p90_s"]))
+    assert lines[len(records):] == ["median (p10, p90) of 3 iterations, slowest rank"]
+
+
 def test_sweep_exports_stay_raw_si():
     records = _sweep()
     rows = list(csv.DictReader(io.StringIO(records.to_csv())))

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import sys
 
-from ...runtime.api import stop_all
+from ...runtime.api import stop_for_exit
 from ...runtime.current import say_once
 from ...runtime import spares
 from ...runtime.forkserver import close_helpers
@@ -77,12 +77,12 @@ def load_ipython_extension(shell) -> None:
 
 
 def _stopping_first(do_shutdown):
-    """The kernel's shutdown (and restart) handler, after nbdist has stopped every group and ended
-    its helper processes: ipykernel then finds no child to wait for, and nbdist's cleanup runs
+    """The kernel's shutdown (and restart) handler, after nbdist has stopped every group (but those
+    with keep_alive, which wait for the next kernel) and ended its helper processes: ipykernel then finds no child to wait for, and nbdist's cleanup runs
     before Jupyter's deadline for the kernel to exit (:func:`~nbdist.runtime.forkserver.close_helpers`)."""
     def shutdown(restart):
         try:
-            stop_all()
+            stop_for_exit()  # a keep_alive group waits for the next kernel
             close_helpers()
             spares.close()
         except Exception as err:  # noqa: BLE001 -- the kernel must still shut down

@@ -16,15 +16,12 @@ from ...errors import NbdistError
 from ...runtime.api import start
 from ...runtime.group import Group, current_group, use_group
 from ...runtime.advice import option_names
-from .base import (JOBS, START_OPTIONS, NbdistMagics, _positive, _rank, _rank_list, _resource,
-                   _seconds, _show_figure, _start_seconds, _started, check_ranks, job_name, register_magics,
+from .base import (JOBS, START_OPTIONS, NbdistMagics, _positive, _rank, _rank_list, _seconds,
+                   _show_figure, _start_seconds, _started, check_ranks, job_name, register_magics,
                    split_statement, usage)
+from .engine_flags import engine_arguments, engine_options
 from .syntax import check_cell, check_statement
 
-#: %dist_start's flags that are an engine's options (``--on slurm``), by option name
-ENGINE_FLAGS = {k: "--" + k.replace("_", "-") for k in (
-    "nodes", "ntasks_per_node", "partition", "time", "account", "qos", "gres", "constraint",
-    "sbatch_arg", "num_cpus", "num_gpus", "placement", "address", "resource")}
 _STOP_TRACE = "_nbdist_trace_cm.__exit__(None, None, None)"  # ends what run_traced started
 
 
@@ -71,26 +68,11 @@ class DistMagics(NbdistMagics):
               help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
                    "checked across ranks (not with DDP on torch 2.13); off (default)")
     @argument("--on", default="local", metavar="ENGINE",
-              help="where the ranks run: local (default), slurm, ray, or a registered engine")
-    @argument("--nodes", type=_positive(int), metavar="N", help="engine: number of nodes")
-    @argument("--ntasks-per-node", type=_positive(int), metavar="N", help="engine: ranks per node")
-    @argument("--partition", metavar="P", help="slurm: the partition")
-    @argument("--time", metavar="T", help="slurm: the job's time limit (1:00:00)")
-    @argument("--account", metavar="A", help="slurm: the account")
-    @argument("--qos", metavar="Q", help="slurm: the QOS")
-    @argument("--gres", metavar="G", help="slurm: generic resources (gpu:4)")
-    @argument("--constraint", metavar="C", help="slurm: node features")
-    @argument("--sbatch-arg", action="append", default=[], metavar="ARG",
-              help="slurm: one more sbatch argument (repeat it: --sbatch-arg=--mem=8G)")
-    @argument("--num-cpus", type=float, metavar="N", help="ray: CPUs per rank (1)")
-    @argument("--num-gpus", type=float, metavar="N", help="ray: GPUs per rank (0)")
-    @argument("--placement", metavar="P",
-              help="ray: PACK (default), SPREAD, STRICT_SPREAD or STRICT_PACK")
-    @argument("--address", metavar="A",
-              help="ray: auto (a running cluster), ray://HOST:PORT (Ray Client); default: start "
-                   "Ray here")
-    @argument("--resource", action="append", default=[], type=_resource, metavar="NAME=N",
-              help="ray: a custom resource per rank (repeat it: --resource TPU=1)")
+              help="where the ranks run: local (default), slurm, ray, k8s, or a registered engine")
+    @argument("--reattach", nargs="?", const="", default=None, metavar="JOB",
+              help="take back the ranks a kernel that is gone started with --keep-alive (its "
+                   "newest saved group, or job JOB's)")
+    @engine_arguments
     def dist_start(self, line: str = "") -> None:
         """Start a group of worker processes and make it the current one.
 
@@ -101,15 +83,15 @@ class DistMagics(NbdistMagics):
             print(f"nbdist: a group is already running: {current_group()!r}; "
                   "change it with %dist_restart, or %dist_stop it first.")
             return
-        engine = {k: v for k, v in vars(args).items() if k in ENGINE_FLAGS and v}
-        if args.on == "local" and engine:
-            raise UsageError(f"{', '.join(ENGINE_FLAGS[k] for k in engine)}: options of an "
-                             "engine that places the ranks; add --on slurm, --on ray (or another "
-                             "engine).")
-        if "sbatch_arg" in engine:
-            engine["sbatch_args"] = engine.pop("sbatch_arg")
-        if "resource" in engine:
-            engine["resources"] = dict(engine.pop("resource"))
+        if args.reattach is not None:
+            from ...runtime.engines import reattach
+
+            group = reattach(args.reattach or None)  # NbdistError says what is missing
+            _started.add(group)
+            use_group(group)
+            self._say_ready(group, "reattached")
+            return
+        engine = engine_options(args)  # UsageError: engine options for a local group
         with self._usage(self.dist_start), option_names(START_OPTIONS):
             group = start(args.world_size, args.backend, args.device, args.timeout,
                           on=args.on, init_timeout=args.init_timeout, threads=args.threads,

@@ -22,8 +22,8 @@ def plot_memory(records: Iterable, ax=None):
     :class:`nbdist.memory.MemoryRecord`. The ZeRO estimate of each record is a black dash across its
     bar; bars are grouped by strategy, one per rank. The unit is the memory table's (the
     largest binary unit in which every non-zero model-state figure is at least 1), so the axis
-    reads as the table does. The legend sits right of the bars (it covers none); with many
-    strategies, every other name sits a line lower, none is broken.
+    reads as the table does. The legend sits right of the bars (it covers none); where the names would run into each
+    other, every other one sits a line lower, none is broken.
     """
     records = list(records)
     if not records:
@@ -65,19 +65,29 @@ def plot_memory(records: Iterable, ax=None):
     top = max(max(r.model_state + r.other, r.estimate or 0) for r in records) / unit
     ax.set_ylim(0, top * 1.15)
     ax.set_xticks(pos)
-    # many long names side by side would run into each other: every other one a line lower,
-    # each whole (a name broken at its "_" reads as two words)
     ax.set_xticklabels(ticks)
-    if len(strategies) > 4:
-        for tick in ax.xaxis.get_major_ticks()[1::2]:
-            tick.set_pad(tick.get_pad() + 1.3 * ax.xaxis.get_ticklabels()[0].get_fontsize())
     if len(spans) == 1:
         ax.set_xlabel(f"one bar per rank ({spans.pop()})")
     ax.set_ylabel(f"bytes per rank ({unit_name})")
     ws = {r.world_size for r in records}
     ax.set_title(f"memory per rank (world size {', '.join(map(str, sorted(ws)))})")
     style.legend_outside(ax, reverse=True)  # top to bottom, as the segments stack
+    _stagger_if_crowded(ax)
     return ax
+
+
+def _stagger_if_crowded(ax, gap: float = 4.0) -> bool:
+    """Every other tick label a line lower, each whole (a name broken at its "_" reads as two
+    words), when labels side by side would come within ``gap`` pixels of each other as drawn;
+    names that fit stay on one line. Returns whether it staggered."""
+    ax.figure.canvas.draw()  # the layout as it will be shown: the labels' real extents
+    labels = ax.xaxis.get_ticklabels()
+    boxes = [label.get_window_extent() for label in labels]
+    if not any(a.x1 + gap > b.x0 for a, b in zip(boxes, boxes[1:])):
+        return False
+    for tick in ax.xaxis.get_major_ticks()[1::2]:
+        tick.set_pad(tick.get_pad() + 1.3 * labels[0].get_fontsize())
+    return True
 
 
 @style.styled

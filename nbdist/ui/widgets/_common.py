@@ -2,9 +2,11 @@
 controls bound to validated traits, figures as PNG and the backend choices of a device."""
 from __future__ import annotations
 
+import base64
 import contextlib
 import html
 import io
+import re
 from typing import Callable, List, Optional, Tuple
 
 import ipywidgets as widgets
@@ -112,6 +114,37 @@ class Panel(widgets.VBox):
         finally:
             self._quiet.discard(trait)
 
+    # ---- a page without the widget ------------------------------------------------------------
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget, with what it shows now as text and static HTML: a page that cannot run
+        the widget (a saved notebook on GitHub or nbviewer, an export without widget state)
+        shows the panel's text, tables and figures as they were, instead of an empty output or
+        a repr of its children (issue 35). The mesh panel writes its own."""
+        data = super()._repr_mimebundle_(**kwargs)
+        if data is not None:
+            data["text/plain"] = self._static_text()
+            data["text/html"] = self._static_html()
+        return data
+
+    def _static_text(self) -> str:
+        """``nbdist <title>: <the last action's outcome or error>``, on one line."""
+        title = next((_plain(c.value) for c in _leaves(self) if isinstance(c, widgets.HTML)
+                      and c.value), type(self).__name__)
+        said = " ".join((self.error or self.message).split())
+        return f"{title}: {said}" if said else title
+
+    def _static_html(self) -> str:
+        parts = []
+        for child in _leaves(self):
+            if isinstance(child, widgets.HTML) and child.value:
+                parts.append(child.value)
+            elif isinstance(child, widgets.Image) and child.value:
+                png = base64.b64encode(child.value).decode("ascii")
+                parts.append(f"<img src='data:image/png;base64,{png}' alt='a figure of the "
+                             "panel' style='max-width:100%'>")
+        return ("<div class='nbdist-panel-static'>" + "".join(parts) + "<div style='font-size:"
+                "smaller;color:#555'>(the panel's controls need a running kernel)</div></div>")
+
     def close(self) -> None:
         """Close the panel and every widget in it."""
         for child in _descendants(self):
@@ -126,6 +159,16 @@ def _descendants(box: widgets.Box) -> List[widgets.Widget]:
             out.extend(_descendants(child))
         out.append(child)
     return out
+
+
+def _leaves(box: widgets.Box) -> List[widgets.Widget]:
+    """The widgets in ``box`` that are not boxes, in the order they are shown."""
+    return [w for w in _descendants(box) if not isinstance(w, widgets.Box)]
+
+
+def _plain(markup: str) -> str:
+    """An HTML title as text: 'nbdist launcher' for '<b>nbdist launcher</b>'."""
+    return html.unescape(re.sub(r"<[^>]+>", "", markup)).strip()
 
 
 def backend_options(device: str) -> Tuple[List[Tuple[str, str]], List[str]]:

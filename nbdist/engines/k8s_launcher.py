@@ -1,0 +1,312 @@
+"""The launch of a Kubernetes group: listen, preflight, create the objects, show the wait, admit.
+
+:class:`K8sLauncher` is an :class:`~nbdist.runtime.attach.AttachLauncher` that starts the ranks
+itself. Once the listener and the key are ready it runs the preflight pod (a TCP connection from
+where the ranks will run back to the notebook) and waits for it with its state shown; then it
+creates the Job suspended, the key's Secret and the headless Service (both owned by the Job), and
+resumes the Job. The ``nbdist-k8s-wait`` thread reads the pods once a second and shows them
+(Pending with the scheduler's reason, ImagePullBackOff...); a pod or the Job that fails before the
+ranks joined wakes the admission with Kubernetes' reason and the pod's last lines. Ctrl-C,
+``stop()`` and the kernel's exit delete everything created (foreground propagation).
+"""
+from __future__ import annotations
+
+import socket
+import sys
+import threading
+import time
+from typing import Callable, Dict, List, Optional
+
+from ..errors import ExitStatus, NbdistError
+from ..runtime.attach import AttachLauncher, _Remote
+from ..runtime.processes import RemoteProcess
+from ..runtime.ranks import Rank
+from ..runtime.ready import AdmissionStopped
+from . import k8s_api
+from .k8s_manifests import Manifests, selector
+
+REFUSAL = ("the ranks of a Kubernetes group run in its Job; nbdist does not restart them. Call "
+           "stop() and nbdist.start(..., on='k8s') again (a new Job).")
+#: what usually stops a pod from reaching the notebook, and the Helm values that open the way
+CAUSES = (
+    "Usual causes: a NetworkPolicy that admits into the notebook pod only the hub and the proxy -- "
+    "Zero to JupyterHub's chart does so by default: set singleuser.networkPolicy.ingress to admit "
+    "pods labelled app.kubernetes.io/name=nbdist (or singleuser.networkPolicy.enabled=false); an "
+    "egress policy on the ranks' namespace; an Istio sidecar in the notebook pod (annotate it "
+    "traffic.sidecar.istio.io/excludeInboundPorts with the port, pass listen='IP:PORT' to fix "
+    "it, or set sidecar.istio.io/inject: \"false\" in singleuser.extraAnnotations). See "
+    "docs/multinode.md, \"Kubernetes\".")
+
+
+class K8sLauncher(AttachLauncher):
+    """Creates one Indexed Job whose pods run every rank, then admits them as attached ranks."""
+
+    broken_advice = "stop() it and start a new one with nbdist.start(..., on='k8s') (a new Job)."
+
+    def __init__(self, plan: Callable[..., Manifests], api: "k8s_api.Api", address,
+                 per_node: int, join_timeout: float, progress: bool, protect: Optional[bool],
+                 keep_alive=None):
+        super().__init__(address, None, join_timeout, per_node, progress, protect)
+        self.plan, self.api, self.keep_alive = plan, api, keep_alive
+        self.manifests: Optional[Manifests] = None
+        self.created: List[tuple] = []  #: (kind, namespace, name) of everything created
+        self.pods: Dict[str, str] = {}  #: pod index -> pod name, once joined
+        self._wait: Optional[_Wait] = None
+
+    @property
+    def restart_refusal(self) -> Optional[str]:
+        """Always: a Kubernetes group's ranks are not restarted (start a new Job instead)."""
+        return REFUSAL
+
+    def can_relaunch(self, auto_restart: bool) -> bool:
+        """Never: a new Job is a new group."""
+        return False
+
+    def launch(self, group_id, choice, opts, threads, tmp, relay):
+        """Listen, preflight, create, wait with the pods shown; ranks ready, or raise with
+        everything deleted."""
+        self.group_id = group_id
+        try:
+            return super().launch(group_id, choice, opts, threads, tmp, relay)
+        except AdmissionStopped:
+            why, said = self._wait.ended, self._wait.said
+            name = self.manifests.name
+            self.close()
+            raise NbdistError(
+                f"Kubernetes Job {name} failed before its ranks joined: {why}."
+                + (f"\n--- its pod's last lines ---\n{said}" if said else "")
+                + f"\nCheck that the image has the same Python, torch and nbdist as this "
+                "notebook and that its pods reach the notebook at "
+                f"{self.address[0]}: docs/multinode.md, \"Kubernetes\".") from None
+        except BaseException as err:
+            if self.created and self.progress:
+                why = "Ctrl-C" if isinstance(err, KeyboardInterrupt) else type(err).__name__
+                print(f"nbdist: deleted Kubernetes Job {self.manifests.name} and what it "
+                      f"needed ({why} while its ranks were joining).", file=sys.stderr)
+            self.close()
+            raise
+        finally:
+            if self._wait is not None:
+                self._wait.close()
+                self._wait = None
+
+    def listening(self, host, port, world_size):
+        """Preflight, then create the Job (suspended), its Secret and Service, and resume it."""
+        with open(self.key_file, encoding="ascii") as f:
+            key_hex = f.read().strip()
+        m = self.manifests = self.plan(f"nbdist-{self.group_id}", f"{host}:{port}", key_hex)
+        if m.preflight is not None:
+            self._preflight(m)
+        job = dict(m.job, spec=dict(m.job["spec"], suspend=True))
+        created = self.api.create(job)
+        self.created.append(("Job", m.namespace, m.name))
+        owner = {"apiVersion": "batch/v1", "kind": "Job", "name": m.name,
+                 "uid": created["metadata"]["uid"]}
+        for obj in (m.secret, m.service):
+            obj = dict(obj, metadata=dict(obj["metadata"], ownerReferences=[owner]))
+            self.api.create(obj)
+            self.created.append((obj["kind"], m.namespace, obj["metadata"]["name"]))
+        self.api.resume(m.namespace, m.name)
+        if self.progress:
+            print(f"nbdist: created Kubernetes Job {m.namespace}/{m.name} for {world_size} "
+                  f"ranks; they connect to {host}:{port}. Ctrl-C deletes it.")
+        self._wait = _Wait(self.api, m, world_size, self.progress)
+
+    def _preflight(self, m: Manifests) -> None:
+        """Run the preflight pod to its end (its state shown); :class:`NbdistError` naming the
+        usual causes when it could not connect."""
+        name = m.preflight["metadata"]["name"]
+        self.api.create(m.preflight)
+        self.created.append(("Pod", m.namespace, name))
+        wait = _Wait(self.api, m, 1, self.progress, pod=name)
+        try:
+            wait.done.wait(self.join_timeout)
+        finally:
+            wait.close()
+        phase = wait.phase
+        said = self.api.log(m.namespace, name) if phase != "Succeeded" else ""
+        self.api.delete("Pod", m.namespace, name)
+        self.created.remove(("Pod", m.namespace, name))
+        if phase == "Succeeded":
+            return
+        raise NbdistError(
+            f"the preflight pod {m.namespace}/{name} could not connect back to this notebook at "
+            f"{self.address[0]}:{m.preflight['spec']['containers'][0]['command'][-1]} "
+            f"({wait.ended or phase}); no Job was created."
+            + (f"\n--- the preflight pod said ---\n{said}" if said else "") + "\n" + CAUSES)
+
+    def _admission(self, ws, config, relay, progress):
+        admission = _K8sAdmission(ws, config, relay, False)
+        admission.protect, admission.launcher = self.protect, self
+        if self._wait is not None:
+            admission.wake, admission.waiting = self._wait.wake, self._wait
+        return admission
+
+    def death_note(self) -> str:
+        """What Kubernetes says about the group's pods that ended (``""``: nothing)."""
+        if self.manifests is None:
+            return ""
+        parts = []
+        m = self.manifests
+        for pod in self.api.pods(m.namespace, selector(m.name)):
+            phase = (pod.get("status") or {}).get("phase")
+            if phase in ("Failed", "Succeeded") or pod["metadata"].get("deletionTimestamp"):
+                parts.append(f"Kubernetes says pod {pod['metadata']['name']} is "
+                             f"{phase or 'being deleted'}: {k8s_api.ended_reason(pod)}")
+        return "; ".join(parts)
+
+    def close(self, deadline=None) -> None:
+        """Delete everything created (Job, Secret, Service, a preflight pod; foreground
+        propagation), once; then as :meth:`AttachLauncher.close`."""
+        super().close(deadline)
+        created, self.created = self.created, []
+        for kind, namespace, name in reversed(created):
+            try:
+                self.api.delete(kind, namespace, name)
+            except (self.api.exception, OSError) as err:
+                print(f"nbdist: could not delete Kubernetes {kind} {namespace}/{name} ({err}); "
+                      f"run `kubectl delete -n {namespace} {kind.lower()} {name}`.",
+                      file=sys.stderr)
+
+
+class _K8sAdmission(_Remote):
+    """Ranks of the Job: counted on the wait's display; their processes know their pod."""
+
+    launcher: K8sLauncher
+    waiting: Optional["_Wait"] = None
+
+    def control(self, hello, channel, ranks):
+        r = super().control(hello, channel, ranks)
+        if r is None:
+            return None
+        p = r.process
+        process = K8sProcess(p.rank, p.pid, p.host, p._relay, p.node, channel)
+        process.launcher = self.launcher
+        return Rank(r.rank, process, channel=channel)
+
+    def joined(self, rank):
+        if self.waiting is not None:
+            self.waiting.joined()
+
+    def timed_out(self, missing, ranks, timeout):
+        state = self.waiting.describe() if self.waiting else "?"
+        return super().timed_out(missing, ranks, timeout) + f" ({state})"
+
+
+class K8sProcess(RemoteProcess):
+    """A rank in the Job's pod: lost with what Kubernetes says about the pods."""
+
+    launcher: K8sLauncher
+    _note: Optional[str] = None
+    lost_advice = ("nbdist does not restart the ranks of a Kubernetes Job: call stop(), then "
+                   "nbdist.start(..., on='k8s') again (a new Job)")
+
+    @property
+    def where(self) -> str:
+        """``"pod 1: nbdist-ab12cd34-1"`` (the pod's host name)."""
+        return f"pod {self.node}: {self.host}"
+
+    @property
+    def exit_status(self) -> Optional[ExitStatus]:
+        """As an attached rank's, with Kubernetes' word on the pods when it was lost."""
+        status = super().exit_status
+        if status is None or not status.lost:
+            return status
+        if self._note is None:
+            try:
+                self._note = self.launcher.death_note()
+            except (OSError, ValueError, getattr(self.launcher.api, "exception", OSError)):
+                self._note = ""
+        if not self._note:
+            return status
+        return ExitStatus(lost=True, where=status.where,
+                          why=(status.why + "; " if status.why else "") + self._note)
+
+
+class _Wait:
+    """The pods' state while the ranks are not all there, read once a second on
+    ``nbdist-k8s-wait`` and shown; :attr:`wake` turns readable if the Job fails first. With
+    ``pod`` it follows that one pod (the preflight) to its end and sets :attr:`done`."""
+
+    PERIOD = 1.0
+
+    def __init__(self, api, m: Manifests, total: int, progress: bool, pod: Optional[str] = None):
+        self.api, self.m, self.pod, self.t0 = api, m, pod, time.monotonic()
+        self.state = "Pending"
+        self.phase = ""
+        self.ended: Optional[str] = None
+        self.said = ""
+        self.done = threading.Event()
+        self.wake, self._poke = socket.socketpair()
+        self.bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(total=total, desc=self.describe(), unit="pod" if pod else "rank")
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="nbdist-k8s-wait", daemon=True)
+        self._thread.start()
+
+    def describe(self) -> str:
+        what = f"preflight pod {self.pod}" if self.pod else f"Kubernetes Job {self.m.name}"
+        return f"{what}: {self.state}, waited {time.monotonic() - self.t0:.0f} s"
+
+    def _read(self) -> None:
+        ns = self.m.namespace
+        if self.pod:
+            pod = self.api.pod(ns, self.pod)
+            self.phase = ((pod or {}).get("status") or {}).get("phase", "") if pod else "gone"
+            if self.phase in ("Succeeded", "Failed", "gone"):
+                self.ended = k8s_api.ended_reason(pod) if pod else "the pod was deleted"
+                self.done.set()
+            self.state = k8s_api.waiting_reason(pod) if pod and not self.ended else self.phase
+            return
+        pods = self.api.pods(ns, selector(self.m.name))
+        job = self.api.job(ns, self.m.name)
+        failed = [c for c in ((job or {}).get("status") or {}).get("conditions") or []
+                  if c.get("type") == "Failed" and c.get("status") == "True"]
+        dead = [p for p in pods if (p.get("status") or {}).get("phase") == "Failed"]
+        if job is None or failed or dead:
+            self.ended = ("the Job was deleted" if job is None else
+                          "; ".join(f"pod {p['metadata']['name']}: {k8s_api.ended_reason(p)}"
+                                    for p in dead)
+                          or f"{failed[0].get('reason')}: {failed[0].get('message')}")
+            if dead:
+                self.said = self.api.log(ns, dead[0]["metadata"]["name"])
+            self._poke.send(b"!")
+            return
+        running = sum((p.get("status") or {}).get("phase") == "Running" for p in pods)
+        waiting = sorted({k8s_api.waiting_reason(p) for p in pods
+                          if (p.get("status") or {}).get("phase") != "Running"})
+        nodes = self.m.job["spec"]["completions"]
+        self.state = f"{running} of {nodes} pods Running" + (
+            f", waiting: {'; '.join(waiting)}" if waiting else "")
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._read()
+            except (OSError, ValueError, self.api.exception):
+                pass  # the API server busy: try again
+            if self.ended is not None:
+                return
+            if self.bar is not None:
+                self.bar.set_description(self.describe())
+            if self._stop.wait(self.PERIOD):
+                return
+
+    def joined(self) -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(20.0)
+        if self.bar is not None:
+            if self.pod and self.phase == "Succeeded":
+                self.bar.update(1)
+            self.bar.set_description(self.describe())
+            self.bar.close()
+        self.wake.close()
+        self._poke.close()
+
