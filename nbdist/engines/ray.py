@@ -39,6 +39,38 @@ class RayEngine(Engine):
             return "ray is not installed (pip install 'nbdist[ray]')"
         return None
 
+    @classmethod
+    def ended(cls, handle: Dict[str, Any]) -> str:
+        """``""`` while every named actor and the placement group of the keep_alive ``handle``
+        exist, else what is gone -- and what was left of the group is removed (a group missing a
+        rank cannot be taken back)."""
+        from ..errors import NbdistError
+        from . import ray_session
+
+        try:
+            session = ray_session.connect(handle.get("ray_address"))
+        except NbdistError as err:
+            return f"Ray is not reachable: {err}"
+        try:
+            actors, pg = ray_session.find(handle["actors"], handle["pg"])
+            left = [a for a in actors if a is not None]
+            if len(left) == len(actors) and pg is not None:
+                return ""
+            session.tear_down(left, pg)
+            session = None
+            return (f"the Ray group {handle['job']} has {len(left)} of its {len(actors)} actors"
+                    + ("" if pg is not None else " and no placement group")
+                    + (" (the rest was removed)" if left or pg is not None else ""))
+        finally:
+            if session is not None:
+                session.release()
+
+    def reattach(self, handle: Dict[str, Any], join_timeout: float, progress: bool):
+        """A :class:`~.ray_launcher.RayLauncher` that takes back the ranks of ``handle``."""
+        from .ray_launcher import RayLauncher
+
+        return RayLauncher.reattach(handle, join_timeout, progress)
+
     def launcher(self, world_size: int, num_cpus: float = 1, num_gpus: float = 0,
                  resources: Optional[Dict[str, float]] = None, placement: str = "PACK",
                  address: Optional[str] = None, runtime_env: Optional[Dict[str, Any]] = None,
@@ -113,8 +145,14 @@ def start(world_size: int, num_cpus: float = 1, num_gpus: float = 0,
     Before any rank starts, every actor dials the notebook (``listen``, ``"HOST:PORT"``; default:
     loopback for a Ray started here, else this node's address): a blocked address is named with
     its usual causes. ``stop()``, the kernel's exit and a killed kernel leave no actor and no
-    placement group. ``keep_alive`` is refused for now: Ray's
-    actors end with the kernel that owns them, and reattach is not built for Ray yet. Other options: ``python`` (the workers' interpreter; default the actors'),
+    placement group.
+
+    ``keep_alive`` (``"30m"``, or seconds) needs a running cluster (``address="auto"`` or its
+    address; refused with ``address=None``, whose Ray ends with the kernel): the actors and the
+    placement group are then detached and named after the group, so they outlive this kernel, and
+    ``nbdist.reattach()`` in a new kernel takes the ranks back with their variables. With no
+    kernel for that long the ranks exit and the actors remove themselves and the placement
+    group. Other options: ``python`` (the workers' interpreter; default the actors'),
     ``join_timeout``, ``progress``, ``protect``, and the group's (:class:`~nbdist.Group`);
     ``restart()`` is refused (start a new group).
     """

@@ -5,7 +5,10 @@
 GPU ids), dials the notebook before the group starts (the preflight), then starts
 ``python -m nbdist.worker --connect`` as its child -- in a process group of its own, with a
 parent-death signal, so a killed actor takes its rank with it -- and kills that process group at
-teardown. :func:`rank_layout` orders the ranks (by Ray node id, then GPU id) and gives each the
+teardown. In a ``keep_alive`` group (detached actors, which no kernel's exit removes),
+:meth:`RankHost.keep` has each actor remove itself once its worker exits (its keep_alive passed
+with no kernel, or it died), and the last of them the placement group: nothing is left.
+:func:`rank_layout` orders the ranks (by Ray node id, then GPU id) and gives each the
 variables torchrun would.
 
 Runs on the Ray nodes: imports only the standard library and :mod:`nbdist.engines`' package (no
@@ -20,6 +23,8 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
+import time
 from typing import Any, Dict, List, Optional, Sequence
 
 STDERR_TAIL = 1500  #: characters of a worker's stderr kept for an error message
@@ -41,6 +46,7 @@ class RankHost:
     def __init__(self) -> None:
         self.child: Optional[subprocess.Popen] = None
         self.dir: Optional[str] = None
+        self._stopping = False  # stop() was called: the kernel tears the group down
 
     def where(self) -> Dict[str, Any]:
         """Ray's node id, the GPU ids Ray gave this actor, the host name and address, the pid."""
@@ -100,8 +106,49 @@ class RankHost:
         except OSError:
             return ""
 
+    def keep(self, peers: List[str], namespace: str, pg_hex: str) -> None:
+        """A keep_alive group's actor (detached): once the worker exits by itself, remove this
+        actor -- and, when every peer's worker has exited too (or its actor is gone), first the
+        placement group ``pg_hex``, which takes what is left of the group with it."""
+        threading.Thread(target=self._reap, args=(self.child, peers, namespace, pg_hex),
+                         name="nbdist-ray-reap", daemon=True).start()
+
+    def _reap(self, child, peers, namespace, pg_hex) -> None:  # pragma: no cover -- in an actor
+        import ray
+
+        while child.poll() is None:
+            time.sleep(0.5)
+        if self._stopping:
+            return  # the kernel's stop(): it kills the actors and removes the placement group
+        last = True
+        for name in peers:  # race-free: each looks after its own worker exited
+            try:
+                said = ray.get(ray.get_actor(name, namespace=namespace).poll.remote(), timeout=30)
+            except ValueError:  # gone already
+                continue
+            except ray.exceptions.GetTimeoutError:
+                last = False
+                break
+            except Exception:  # noqa: BLE001 -- its actor died
+                continue
+            if said is None:
+                last = False
+                break
+        if self.dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+        try:
+            if last:
+                from ray._raylet import PlacementGroupID
+                from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+                remove_placement_group(PlacementGroup(PlacementGroupID.from_hex(pg_hex)))
+            ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+        finally:
+            os._exit(0)
+
     def stop(self) -> None:
         """Kill the worker's process group (the worker and anything it started), remove the key."""
+        self._stopping = True
         child, self.child = self.child, None
         if child is not None:
             try:

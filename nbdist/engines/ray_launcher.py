@@ -11,9 +11,14 @@ actor, remove the placement group -- then disconnect from Ray if this launcher c
 
 A SIGKILLed kernel leaves nothing either: the actors and the placement group are the driver's
 (not detached), and Ray removes them when its driver goes; a Ray the kernel started goes with it.
+With ``keep_alive`` they are detached instead, named after the job (``nbdist-JOB``,
+``nbdist-JOB-rank-I`` in the namespace ``nbdist``), so that a new kernel finds them
+(:meth:`RayLauncher.reattach`); once keep_alive passes with no kernel, the ranks exit and the actors
+remove themselves and the placement group (:meth:`~.ray_actor.RankHost.keep`).
 """
 from __future__ import annotations
 
+import secrets
 import socket
 import threading
 from typing import Any, Dict, List, Optional
@@ -33,6 +38,9 @@ CAUSES = ("The usual causes: the notebook runs outside the cluster's network (th
           "listen='HOST:PORT' with an address the nodes reach); on KubeRay, a NetworkPolicy that "
           "keeps the Ray pods from connecting to the notebook's pod (allow it); a firewall on "
           "this machine.")
+KEEP_REFUSAL = ("keep_alive on Ray needs a running Ray cluster: with address=None this kernel "
+                "starts Ray itself, and that Ray (with the ranks' actors) ends with the kernel. "
+                "Start a cluster (ray start --head) and pass address='auto' (or its address).")
 
 
 class RayLauncher(AttachLauncher):
@@ -54,6 +62,20 @@ class RayLauncher(AttachLauncher):
         self.places: List[Dict[str, Any]] = []  #: per rank: node index, Ray node id, host
         self._session: Optional[ray_session.Session] = None
         self._watch: Optional[_Watch] = None
+        self.job = ""  #: a keep_alive group's name: its placement group's, its actors' prefix
+        self.names: List[str] = []  #: a keep_alive group's actor names, in bundle order
+
+    @classmethod
+    def reattach(cls, handle: Dict[str, Any], join_timeout: float,
+                 progress: bool) -> "RayLauncher":
+        """A launcher that takes back the ranks of a keep_alive group's ``handle`` (its named
+        actors and placement group, found again once connected)."""
+        launcher = cls({}, handle.get("placement", "PACK"), handle.get("ray_address"), None,
+                       tuple(handle["address"]), None, 60.0, join_timeout, progress,
+                       bool(handle.get("protect")))
+        launcher.job, launcher.names = handle["job"], list(handle["actors"])
+        launcher.pg_hex, launcher.places = handle["pg"], list(handle["places"])
+        return launcher
 
     @property
     def restart_refusal(self) -> Optional[str]:
@@ -69,6 +91,9 @@ class RayLauncher(AttachLauncher):
         with everything removed."""
         if self.regen is not None:
             return super().launch(group_id, choice, opts, threads, tmp, relay)
+        if self.keep_alive and self.ray_address is None:
+            self.close()
+            raise ValueError(KEEP_REFUSAL)
         try:
             self._session = ray_session.connect(self.ray_address)
             if not self.listen_given:
@@ -95,8 +120,13 @@ class RayLauncher(AttachLauncher):
         import ray
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+        if self.reattach_key:
+            return self._find(host, port, world_size)
+        if self.keep_alive:
+            self.job = f"nbdist-{secrets.token_hex(4)}"
+            self.names = [f"{self.job}-rank-{i}" for i in range(world_size)]
         self.pg = self._session.place(world_size, self.bundle, self.placement,
-                                      self.placement_timeout)
+                                      self.placement_timeout, self.job)
         cls = ray.remote(RankHost)
         cpus, gpus = self.bundle.get("CPU", 0), self.bundle.get("GPU", 0)
         others = {k: v for k, v in self.bundle.items() if k not in ("CPU", "GPU")}
@@ -108,6 +138,9 @@ class RayLauncher(AttachLauncher):
                                 self.pg, placement_group_bundle_index=i))
                 if self.runtime_env:
                     opts["runtime_env"] = self.runtime_env
+                if self.keep_alive:  # outlive this kernel; found again by name
+                    opts.update(name=self.names[i], namespace=ray_session.NAMESPACE,
+                                lifetime="detached")
                 self.actors.append(cls.options(**opts).remote())
             places = ray.get([a.where.remote() for a in self.actors], timeout=self.join_timeout)
         except Exception as err:  # noqa: BLE001 -- Ray's many errors of an actor not starting
@@ -123,11 +156,33 @@ class RayLauncher(AttachLauncher):
             key_hex = f.read().strip()
         ray.get([a.start.remote(f"{host}:{port}", key_hex, lay["env"], self.python)
                  for a, lay in zip(self.actors, layout)], timeout=60.0)
+        if self.keep_alive:
+            ray.get([a.keep.remote([n for n in self.names if n != mine], ray_session.NAMESPACE,
+                                   self.pg.id.hex())
+                     for a, mine in zip(self.actors, self.names)], timeout=60.0)
         if self.progress:
             nodes = len({p["node_id"] for p in self.places})
             print(f"nbdist: {world_size} ranks started in Ray actors on {nodes} node"
                   f"{'s' if nodes > 1 else ''} ({self.placement}); they connect to {host}:{port}.")
         self._watch = _Watch(self)
+
+    def _find(self, host: str, port: int, world_size: int) -> None:
+        """Reattaching: the keep_alive group's actors and placement group, by name."""
+        actors, self.pg = ray_session.find(self.names, self.pg_hex)
+        self.actors = [a for a in actors if a is not None]
+        if len(self.actors) != len(self.names) or self.pg is None:
+            raise NbdistError(f"reattach: the Ray group {self.job} is incomplete ("
+                              f"{len(self.actors)} of {len(self.names)} actors left"
+                              f"{'' if self.pg is not None else ', no placement group'}).")
+        if self.progress:
+            print(f"nbdist: reattaching to Ray group {self.job}: its {world_size} ranks connect "
+                  f"to {host}:{port}.")
+
+    def handle_fields(self) -> Dict[str, Any]:
+        """The names of the actors and the placement group, Ray's address, the ranks' places."""
+        return {"job": self.job, "actors": self.names, "pg": self.pg.id.hex(),
+                "ray_address": self.ray_address, "placement": self.placement,
+                "places": self.places}
 
     def _preflight(self, host: str, port: int) -> None:
         """Every actor dials the listener before any rank starts."""
@@ -175,12 +230,16 @@ class RayLauncher(AttachLauncher):
     def close(self, deadline=None) -> None:
         """Kill the workers' process groups, the actors, the placement group (in that order, to
         the end, once), then let go of Ray; see :meth:`AttachLauncher.close` for ``deadline``."""
+        letting_go = self.letting_go  # a reattach that failed: the ranks wait on
         super().close(deadline)
         actors, self.actors = self.actors, []
         pg, self.pg = self.pg, None
         session, self._session = self._session, None
         if session is not None:
-            session.tear_down(actors, pg)
+            if letting_go:
+                session.release()
+            else:
+                session.tear_down(actors, pg)
 
 
 class _RayAdmission(_Remote):

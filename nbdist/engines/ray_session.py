@@ -4,7 +4,8 @@
 group), and counts the groups that use the connection: the last one to let go disconnects -- and
 so ends the Ray this kernel started (``address=None``) -- but never a connection the user made.
 :class:`Session` places the placement group (a timeout says what was asked and what is free),
-reads nodes and actors' deaths, and tears a group down in order.
+reads nodes and actors' deaths, and tears a group down in order. A ``keep_alive`` group's actors
+and placement group are detached and named in :data:`NAMESPACE` (:func:`find` gets them back).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ _lock = threading.Lock()
 _users = 0  # groups using a connection nbdist made
 _ours = False  # nbdist called ray.init (and so calls ray.shutdown after the last group)
 _exit_hooked = False
+NAMESPACE = "nbdist"  #: the Ray namespace of a keep_alive group's named, detached actors
 
 
 def connect(address: Optional[str]) -> "Session":
@@ -71,13 +73,16 @@ class Session:
             return default_host()
         return ray.util.get_node_ip_address()
 
-    def place(self, world_size: int, bundle: Dict[str, float], strategy: str, timeout: float):
-        """A ready placement group of ``world_size`` bundles; :class:`NbdistError` naming what was
-        asked and what is free (the group removed) when Ray cannot place it in ``timeout`` s."""
+    def place(self, world_size: int, bundle: Dict[str, float], strategy: str, timeout: float,
+              name: str = ""):
+        """A ready placement group of ``world_size`` bundles (``name``: a detached one of that
+        name, which outlives this kernel); :class:`NbdistError` naming what was asked and what is
+        free (the group removed) when Ray cannot place it in ``timeout`` s."""
         import ray
         from ray.util.placement_group import placement_group, remove_placement_group
 
-        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy)
+        pg = placement_group([dict(bundle) for _ in range(world_size)], strategy=strategy,
+                             name=name, lifetime="detached" if name else None)
         try:
             ray.get(pg.ready(), timeout=timeout)
         except BaseException as err:
@@ -121,7 +126,6 @@ class Session:
     def tear_down(self, actors: List[Any], pg) -> None:
         """In order, to the end: each worker's process group, each actor, the placement group;
         then let go of the connection."""
-        global _users, _ours
         import ray
 
         try:
@@ -145,13 +149,38 @@ class Session:
                     except Exception:  # noqa: BLE001 -- already removed
                         pass
         finally:
-            with _lock:
-                if self._counted and _ours:
-                    _users -= 1
-                    if _users <= 0:
-                        _ours, _users = False, 0
-                        ray.shutdown()
-                self._counted = False
+            self.release()
+
+    def release(self) -> None:
+        """Let go of the connection (once): the last group of a connection nbdist made ends it."""
+        global _users, _ours
+        import ray
+
+        with _lock:
+            if self._counted and _ours:
+                _users -= 1
+                if _users <= 0:
+                    _ours, _users = False, 0
+                    ray.shutdown()
+            self._counted = False
+
+
+def find(names: List[str], pg_hex: str):
+    """``(actors, placement group)`` of a keep_alive group by its actors' names: ``None`` for an
+    actor that is gone; the placement group ``None`` when Ray has removed it."""
+    import ray
+    from ray._raylet import PlacementGroupID
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    actors: List[Any] = []
+    for name in names:
+        try:
+            actors.append(ray.get_actor(name, namespace=NAMESPACE))
+        except ValueError:  # no live actor of that name
+            actors.append(None)
+    pg = PlacementGroup(PlacementGroupID.from_hex(pg_hex))
+    state = placement_group_table(pg).get("state")
+    return actors, (pg if state not in (None, "REMOVED") else None)
 
 
 def _resources(res: Dict[str, float]) -> str:

@@ -23,12 +23,17 @@ from nbdist.runtime.engines import engines_here
     (dict(runtime_env="env.yaml"), TypeError, "runtime_env must be a dict"),
     (dict(placement_timeout=0), ValueError, "placement_timeout must be a positive number"),
     (dict(listen="0.0.0.0:0"), ValueError, "listen on one address you chose"),
-    (dict(keep_alive="30m"), ValueError, "keep_alive: the engine 'ray' cannot take its ranks "
-                                          "back in a new kernel"),
+    (dict(keep_alive="30m"), ValueError,
+     r"keep_alive on Ray needs a running Ray cluster: with address=None this kernel starts Ray "
+     r"itself, and that Ray \(with the ranks' actors\) ends with the kernel\. Start a cluster "
+     r"\(ray start --head\) and pass address='auto' \(or its address\)\."),
 ])
 def test_bad_options_are_refused_before_ray_is_asked(options, error, message):
+    ray_before = sys.modules.get("ray")
     with pytest.raises(error, match=message):
         nbdist.start(2, on="ray", **options)
+    if ray_before is None and "ray" in sys.modules:  # imported, never started
+        assert not sys.modules["ray"].is_initialized()
 
 
 def test_the_ray_module_and_its_bundle():
