@@ -6,7 +6,8 @@ One group (two ranks, STRICT_SPREAD: one per node) serves the feature tests -- t
 every group, so ``%%dist``, a background job, stacks, the collective benchmark and a Lightning fit
 work on it. Other tests ask for too much (refused in bounded time, nothing left placed) and play a
 kernel in a subprocess that exits or is SIGKILLed (Ray's state API then shows none of its actors
-or placement groups). The last test removes the second node under the shared group: a
+or placement groups), and one whose group has ``keep_alive``: reattached with its variables, or
+left until keep_alive passes (then nothing is left either). The last test removes the second node under the shared group: a
 ``RankDiedError`` naming the rank and the Ray node."""
 import os
 import re
@@ -263,6 +264,70 @@ def test_a_kernel_that_exits_or_is_killed_leaves_no_actor_and_no_placement_group
         kernel.wait()
         kernel.stderr.close()
     assert g.run(lambda: 1) == [1, 1]  # the shared group was not touched
+
+
+KEPT = textwrap.dedent("""
+    import os, sys
+    import ray, nbdist
+    g = nbdist.ray.start(2, num_cpus=0.1, address=sys.argv[1], keep_alive=sys.argv[2],
+                         timeout=30, progress=False)
+    g.exec("x = rank * 10 + 7")
+    with open(os.path.join(sys.argv[3], "ready.tmp"), "w") as f:
+        f.write(ray.get_runtime_context().get_job_id())
+    os.rename(os.path.join(sys.argv[3], "ready.tmp"), os.path.join(sys.argv[3], "ready"))
+    os.kill(os.getpid(), 9)
+""")
+
+
+def kept_group(cluster, tmp_path, keep_alive):
+    """A kernel in a subprocess starts a keep_alive group on the cluster, sets ``x`` on its
+    ranks and is SIGKILLed; the Ray job id of that kernel."""
+    done = subprocess.run([sys.executable, "-c", KEPT, cluster.address, keep_alive,
+                           str(tmp_path)], env=dict(os.environ, **cluster_env()),
+                          capture_output=True, text=True, timeout=180)
+    assert done.returncode == -9 and (tmp_path / "ready").exists(), done.stderr[-3000:]
+    return (tmp_path / "ready").read_text()
+
+
+@pytest.fixture
+def runtime_dir(tmp_path, monkeypatch):
+    """Jupyter's runtime directory (where handles go) of this test alone, for the kernel too."""
+    monkeypatch.setenv("JUPYTER_RUNTIME_DIR", str(tmp_path / "runtime"))
+    return tmp_path / "runtime"
+
+
+def test_keep_alive_the_ranks_outlive_a_killed_kernel_and_reattach_takes_them_back(
+        cluster, g, tmp_path, runtime_dir):
+    job = kept_group(cluster, tmp_path, "120")
+    actors, groups = live(job)
+    assert (len(actors), len(groups)) == (2, 1)  # detached: the kernel's death left them
+    [handle] = runtime_dir.glob("nbdist-ray-*.json")
+    kept = nbdist.reattach(progress=False, join_timeout=60)
+    try:
+        assert kept.exec("x") == [7, 17]  # the first kernel's variables
+        assert kept.exec("pg = dist.new_group([0, 1]); t = torch.ones(1) * (rank + 1); "
+                         "dist.all_reduce(t, group=pg); t.item()") == [3.0, 3.0]
+    finally:
+        kept.stop()
+    assert live(job) == ([], [])  # stop() removed the detached actors and placement group
+    assert not handle.exists()
+    assert g.run(lambda: 1) == [1, 1]  # the shared group was not touched
+
+
+def test_keep_alive_passes_the_ranks_exit_and_nothing_is_left(cluster, g, tmp_path,
+                                                              runtime_dir):
+    job = kept_group(cluster, tmp_path, "3s")
+    deadline = time.monotonic() + 90
+    while live(job) != ([], []):  # the actors removed themselves and the placement group
+        assert time.monotonic() < deadline, f"left behind: {live(job)}"
+        time.sleep(0.5)
+    with pytest.raises(NbdistError, match=r"reattach\(\): the saved group's job has ended \(the "
+                                          r"Ray group nbdist-\w+ has 0 of its 2 actors and no "
+                                          r"placement group\); .* Start a new group, e\.g\. "
+                                          r"nbdist\.start\(2, on='ray', keep_alive='30m'\)"):
+        nbdist.reattach(progress=False)
+    assert list(runtime_dir.glob("nbdist-ray-*.json")) == []
+    assert g.run(lambda: 1) == [1, 1]
 
 
 # ---- last: the second node goes under the shared group -------------------------------------------
