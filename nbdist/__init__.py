@@ -70,6 +70,7 @@ MOVED = {
     "nbdist.launcher": "nbdist.runtime.launcher",
     # not moved but short: the engines as the docs name them, nbdist.slurm.start(...), nbdist.k8s
     "nbdist.slurm": "nbdist.engines.slurm",
+    "nbdist.ray": "nbdist.engines.ray",  # nbdist.ray.start(...): the Ray engine
     "nbdist.k8s": "nbdist.engines.k8s",
 }
 

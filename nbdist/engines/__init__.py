@@ -17,10 +17,15 @@ handshake, signing, output, stacks, jobs and debugging are one code path for all
 * :mod:`.slurm` -- ``on="slurm"``: one ``sbatch`` job whose ``srun`` step runs the ranks
   (:mod:`.slurm_launcher`: the launch, the live wait, a lost node as a rank death;
   :mod:`.slurm_cli`: the batch script and SLURM's commands).
+* :mod:`.ray` -- ``on="ray"``: one placement group, one Ray actor per rank running the worker
+  (:mod:`.ray_launcher`: place, preflight, start, watch, tear down; :mod:`.ray_session`: this
+  kernel's connection to Ray; :mod:`.ray_actor`: the actor's body and the ranks' order).
 
 Threads: a SLURM launch runs ``nbdist-slurm-wait`` while the job waits and the ranks join: it reads
 the job's state once a second, shows it, and wakes the launch when the job ended before its ranks
-joined. It takes no lock of the group's.
+joined. It takes no lock of the group's. A Ray launch runs ``nbdist-ray-watch`` while its ranks
+join: it polls the actors twice a second and wakes the launch when a worker exits or an actor dies
+first; it takes no lock either.
 
 May import: :mod:`nbdist.runtime` and below; never strategies, memory, bench, Lightning or the
 notebook layer.

@@ -26,7 +26,7 @@ ENTRY_POINT_GROUP = "nbdist.engines"  #: where third-party engines register
 ENGINE_OPTIONS = ("keep_alive",)
 #: the engines nbdist brings (``"local"``: this machine's forkserver/spawn workers, built in here)
 BUILTIN = {"local": "", "slurm": "nbdist.engines.slurm:SlurmEngine",
-           "k8s": "nbdist.engines.k8s:K8sEngine"}
+           "ray": "nbdist.engines.ray:RayEngine", "k8s": "nbdist.engines.k8s:K8sEngine"}
 
 
 def engine_targets() -> Dict[str, str]:
@@ -106,6 +106,11 @@ def start_on(on: str, world_size: int, backend, device, timeout, options: Dict[s
             raise ValueError(f"keep_alive: the engine {on!r} places its ranks with a launcher "
                              "that cannot keep them past this kernel (it is not an "
                              "AttachLauncher); drop keep_alive.")
+        # (Engine is a layer above: its own reattach, not overridden, is known by its name)
+        if getattr(cls.reattach, "__qualname__", "") == "Engine.reattach":
+            raise ValueError(f"keep_alive: the engine {on!r} cannot take its ranks back in a new "
+                             "kernel (it has no reattach), so they could not outlive this one; "
+                             "drop keep_alive.")
         launcher.keep_alive = keep_alive
     try:
         return Group(world_size, backend, device, timeout, _launcher=launcher, **options)

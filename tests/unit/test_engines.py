@@ -42,6 +42,18 @@ class PlainEngine(Engine):
         return LocalLauncher()
 
 
+class NoReattachEngine(Engine):
+    """A third-party engine whose ranks join an AttachLauncher, but which does not override
+    Engine.reattach: its ranks could not be taken back in a new kernel."""
+
+    name = "noreattach"
+
+    def launcher(self, world_size):
+        from nbdist.runtime.attach import AttachLauncher
+
+        return AttachLauncher(("127.0.0.1", 0), progress=False)
+
+
 @pytest.fixture
 def third_party(tmp_path, monkeypatch):
     """A package installed with an entry point in group ``nbdist.engines`` (and one that breaks)."""
@@ -51,7 +63,7 @@ def third_party(tmp_path, monkeypatch):
     (info / "entry_points.txt").write_text(
         f"[{ENTRY_POINT_GROUP}]\nelsewhere = test_engines:ElsewhereEngine\n"
         "broken = no_such_module_here:Engine\nslurm = test_engines:ElsewhereEngine\n"
-        "plain = test_engines:PlainEngine\n")
+        "plain = test_engines:PlainEngine\nnoreattach = test_engines:NoReattachEngine\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.invalidate_caches()
     yield
@@ -60,8 +72,8 @@ def third_party(tmp_path, monkeypatch):
 def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, monkeypatch):
     monkeypatch.setenv("PATH", "/nonexistent")  # no SLURM commands here, whatever the machine
     here = available_engines()
-    assert list(here)[:3] == ["local", "slurm", "k8s"]  # built-in first; an entry point cannot
-    # replace one
+    # built-in first; an entry point cannot replace one
+    assert list(here)[:4] == ["local", "slurm", "ray", "k8s"]
     assert here["local"] is None
     assert here["slurm"] == "no sbatch on PATH"
     assert here["elsewhere"] == "elsewhere-client is not installed"
@@ -76,7 +88,7 @@ def test_the_engines_are_listed_with_why_not_where_they_cannot_run(third_party, 
 
 def test_an_unknown_engine_lists_the_engines():
     with pytest.raises(ValueError, match=r"unknown engine on='kubernetes'; the engines are: "
-                                         r"'local', 'slurm', 'k8s'.* entry-point group 'nbdist.engines'"):
+                                         r"'local', 'slurm', 'ray', 'k8s'.* entry-point group 'nbdist.engines'"):
         nbdist.start(2, on="kubernetes")
 
 
@@ -98,6 +110,14 @@ def test_keep_alive_on_an_engine_whose_launcher_cannot_keep_the_ranks_is_refused
                                          r"a launcher that cannot keep them past this kernel \(it "
                                          r"is not an AttachLauncher\); drop keep_alive\."):
         nbdist.start(2, on="plain", keep_alive="30m")
+
+
+def test_keep_alive_on_an_engine_that_cannot_reattach_is_refused_before_anything_starts(
+        third_party):
+    with pytest.raises(ValueError, match=r"keep_alive: the engine 'noreattach' cannot take its "
+                                         r"ranks back in a new kernel \(it has no reattach\), so "
+                                         r"they could not outlive this one; drop keep_alive\."):
+        nbdist.start(2, on="noreattach", keep_alive="30m")
 
 
 @pytest.mark.parametrize("engine", ["local", "plain"])  # no engine class; no Engine.reattach

@@ -46,6 +46,7 @@ API = {
     ],
     "nbdist.engines": ["ENTRY_POINT_GROUP", "Engine", "available_engines"],
     "nbdist.engines.slurm": ["SlurmEngine", "start"],
+    "nbdist.engines.ray": ["PLACEMENTS", "RayEngine", "start"],
     "nbdist.engines.k8s": ["K8sEngine", "Manifests", "manifests", "start"],
     "nbdist.lightning": ["FitResult", "NbdistDeepSpeedStrategy", "NbdistEnvironment", "fit",
                          "install_hooks", "load_zero_checkpoint", "prepare", "warm"],
@@ -53,7 +54,8 @@ API = {
                   "launcher", "memory_panel", "mesh_panel", "watch"],
 }
 CONSTANTS = {"ENTRY_POINT_GROUP", "DIMS", "ENV_VAR", "DEFAULT_SIZES", "FIELDS", "NOISY_SPREAD", "OPS", "OPTIMIZERS",
-             "FAIRSCALE_HINT", "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES"}
+             "FAIRSCALE_HINT", "DEEPSPEED_HINT", "PRECISIONS", "SCHEDULES",
+             "PLACEMENTS"}
 
 
 @pytest.mark.parametrize("module", sorted(API))

@@ -42,6 +42,16 @@ def _is_loaded(shell) -> bool:
 
 # argparse ``type=`` converters: a wrong value raises ArgumentTypeError, which argparse reports as
 # "argument --OPTION: <message>": say what is expected, with an example, and what was given.
+def _resource(text: str):
+    """``"TPU=1"`` -> ``("TPU", 1.0)``: one ``--resource`` of ``%dist_start --on ray``."""
+    name, sep, value = text.partition("=")
+    try:
+        return name.strip(), float(value) if sep and name.strip() else float("x")
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected NAME=NUMBER (e.g. TPU=1), got {text!r}") \
+            from None
+
+
 def _positive(kind):
     """A positive ``int``: ``"0"``, ``"-1"``, ``"1.5"`` and ``"x"`` are refused."""
     def convert(text: str):

@@ -68,7 +68,7 @@ class DistMagics(NbdistMagics):
               help="detail: torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks, collectives "
                    "checked across ranks (not with DDP on torch 2.13); off (default)")
     @argument("--on", default="local", metavar="ENGINE",
-              help="where the ranks run: local (default), slurm, k8s, or a registered engine")
+              help="where the ranks run: local (default), slurm, ray, k8s, or a registered engine")
     @argument("--reattach", nargs="?", const="", default=None, metavar="JOB",
               help="take back the ranks a kernel that is gone started with --keep-alive (its "
                    "newest saved group, or job JOB's)")

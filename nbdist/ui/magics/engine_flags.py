@@ -1,5 +1,5 @@
-"""``%dist_start``'s options for engines that place the ranks (``--on slurm``, ``--on k8s``):
-the flags, and the engine options they make."""
+"""``%dist_start``'s options for engines that place the ranks (``--on slurm``, ``--on ray``,
+``--on k8s``): the flags, and the engine options they make."""
 from __future__ import annotations
 
 from typing import Any, Callable, Dict
@@ -7,7 +7,7 @@ from typing import Any, Callable, Dict
 from IPython.core.error import UsageError
 from IPython.core.magic_arguments import argument
 
-from .base import _positive
+from .base import _positive, _resource
 
 #: (flag, argparse keywords) of each engine option, in the order ``--help`` lists them
 FLAGS = [
@@ -21,6 +21,14 @@ FLAGS = [
     ("--constraint", dict(metavar="C", help="slurm: node features")),
     ("--sbatch-arg", dict(action="append", default=[], metavar="ARG",
                           help="slurm: one more sbatch argument (repeat it: --sbatch-arg=--mem=8G)")),
+    ("--num-cpus", dict(type=float, metavar="N", help="ray: CPUs per rank (1)")),
+    ("--num-gpus", dict(type=float, metavar="N", help="ray: GPUs per rank (0)")),
+    ("--placement", dict(metavar="P", help="ray: PACK (default), SPREAD, STRICT_SPREAD or "
+                                           "STRICT_PACK")),
+    ("--address", dict(metavar="A", help="ray: auto (a running cluster), ray://HOST:PORT (Ray "
+                                         "Client); default: start Ray here")),
+    ("--resource", dict(action="append", default=[], type=_resource, metavar="NAME=N",
+                        help="ray: a custom resource per rank (repeat it: --resource TPU=1)")),
     ("--image", dict(metavar="IMAGE", help="k8s: the ranks' image (default: the notebook pod's)")),
     ("--namespace", dict(metavar="NS", help="k8s: the namespace (default: the notebook pod's)")),
     ("--gpus", dict(type=_positive(int), metavar="N", help="k8s: nvidia.com/gpu per pod")),
@@ -45,7 +53,10 @@ def engine_options(args: Any) -> Dict[str, Any]:
     engine = {k: v for k, v in vars(args).items() if k in ENGINE_FLAGS and v}
     if args.on == "local" and engine:
         raise UsageError(f"{', '.join(ENGINE_FLAGS[k] for k in engine)}: options of an engine "
-                         "that places the ranks; add --on slurm, --on k8s (or another engine).")
+                         "that places the ranks; add --on slurm, --on ray, --on k8s (or another "
+                         "engine).")
     if "sbatch_arg" in engine:
         engine["sbatch_args"] = engine.pop("sbatch_arg")
+    if "resource" in engine:
+        engine["resources"] = dict(engine.pop("resource"))
     return engine

@@ -1,0 +1,74 @@
+"""``on="ray"`` before Ray is asked anything: the options refused, the ranks' order and variables,
+and Ray missing. No Ray is started here (tests/integration/test_engine_ray.py starts one)."""
+import sys
+
+import pytest
+
+import nbdist
+from nbdist.engines.ray import PLACEMENTS, RayEngine, bundle_of
+from nbdist.engines.ray_actor import rank_layout
+from nbdist.runtime.engines import engines_here
+
+
+@pytest.mark.parametrize("options, error, message", [
+    (dict(placement="TIGHT"), ValueError,
+     "placement must be one of PACK, SPREAD, STRICT_SPREAD, STRICT_PACK, got 'TIGHT'"),
+    (dict(num_cpus=-1), ValueError, r"num_cpus must be a number >= 0 \(Ray's units per rank\)"),
+    (dict(num_gpus="1"), ValueError, "num_gpus must be a number >= 0"),
+    (dict(num_cpus=0), ValueError, "Ray cannot place an empty bundle. Pass num_cpus=1"),
+    (dict(resources=["TPU"]), TypeError, "resources must be a dict of Ray's custom resources"),
+    (dict(resources={"GPU": 1}), ValueError, r"resources=\{'GPU': ...\}: pass num_gpus= instead"),
+    (dict(resources={"TPU": -2}), ValueError, r"resources\['TPU'\] must be a number >= 0"),
+    (dict(address=10001), TypeError, "address must be None .*, 'auto' or 'ray://HOST:PORT'"),
+    (dict(runtime_env="env.yaml"), TypeError, "runtime_env must be a dict"),
+    (dict(placement_timeout=0), ValueError, "placement_timeout must be a positive number"),
+    (dict(listen="0.0.0.0:0"), ValueError, "listen on one address you chose"),
+    (dict(keep_alive="30m"), ValueError,
+     r"keep_alive on Ray needs a running Ray cluster: with address=None this kernel starts Ray "
+     r"itself, and that Ray \(with the ranks' actors\) ends with the kernel\. Start a cluster "
+     r"\(ray start --head\) and pass address='auto' \(or its address\)\."),
+])
+def test_bad_options_are_refused_before_ray_is_asked(options, error, message):
+    ray_before = sys.modules.get("ray")
+    with pytest.raises(error, match=message):
+        nbdist.start(2, on="ray", **options)
+    if ray_before is None and "ray" in sys.modules:  # imported, never started
+        assert not sys.modules["ray"].is_initialized()
+
+
+def test_the_ray_module_and_its_bundle():
+    assert nbdist.ray.start is nbdist.engines.ray.start and PLACEMENTS[0] == "PACK"
+    assert bundle_of(1, 0.5, {"TPU": 1, "spare": 0}) == {"CPU": 1.0, "GPU": 0.5, "TPU": 1.0}
+    assert RayEngine.name == "ray" and "keep_alive" not in RayEngine.options
+
+
+def test_without_ray_the_engine_says_it_is_not_installed(monkeypatch):
+    monkeypatch.setitem(sys.modules, "ray", None)
+    assert engines_here()["ray"] == "ray is not installed (pip install 'nbdist[ray]')"
+    with pytest.raises(ValueError, match=r"the engine 'ray' cannot run here: ray is not "
+                                         r"installed \(pip install 'nbdist\[ray\]'\)"):
+        nbdist.ray.start(2)
+
+
+def place(node, *gpus):
+    return {"node_id": node, "gpus": list(gpus), "host": "h", "ip": "10.0.0.1", "pid": 1}
+
+
+def test_ranks_are_ordered_by_node_id_then_gpu_with_torchruns_variables():
+    # bundle order as Ray might return it: nodes interleaved, GPUs out of order
+    places = [place("bb", "3"), place("aa", "1"), place("bb", "2"), place("aa", "0")]
+    out = rank_layout(places)
+    assert [o["rank"] for o in out] == [3, 1, 2, 0]
+    assert [o["node"] for o in out] == [1, 0, 1, 0]
+    envs = {o["rank"]: o["env"] for o in out}
+    assert envs[0] == {"RANK": "0", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "2",
+                       "GROUP_RANK": "0", "GROUP_WORLD_SIZE": "2", "ROLE_RANK": "0",
+                       "ROLE_WORLD_SIZE": "4", "CUDA_VISIBLE_DEVICES": "0,1",
+                       "NBDIST_RAY_NODE_ID": "aa"}
+    assert (envs[3]["LOCAL_RANK"], envs[3]["GROUP_RANK"], envs[3]["CUDA_VISIBLE_DEVICES"]) == \
+        ("1", "1", "2,3")
+    # GPU ids compare as numbers (10 after 9), and CPU ranks see no GPU
+    assert [o["rank"] for o in rank_layout([place("n", "10"), place("n", "9")])] == [1, 0]
+    cpu = rank_layout([place("n"), place("n")])
+    assert [o["env"]["CUDA_VISIBLE_DEVICES"] for o in cpu] == ["", ""]
+    assert [o["rank"] for o in cpu] == [0, 1]  # same node, no GPU: bundle order
