@@ -84,16 +84,21 @@ def test_the_ranks_get_torchruns_variables_and_their_slurm_nodes(g):
         g.restart()
 
 
-def test_dist_magic_a_background_job_and_stacks(g):
+def test_dist_magic_a_background_job_and_stacks(g, monkeypatch):
     from IPython.testing import globalipapp
     from IPython.testing.globalipapp import start_ipython
     from IPython.utils.capture import capture_output
 
+    from nbdist.lightning import warmup
     from nbdist.ui import magics
 
     shell = start_ipython() or globalipapp.get_ipython()
     shell.display_formatter.active_types = shell.display_formatter.format_types
     shell.run_line_magic("load_ext", "nbdist")
+    # Earlier tests in this process imported Lightning: the cell hook would have the ranks import
+    # it too, and the job's stacks would show that import ahead of nap().
+    monkeypatch.setattr(warmup, "AUTO", False)
+    job = None
     try:
         magics.use_group(g)
         with capture_output() as out:
@@ -109,6 +114,9 @@ def test_dist_magic_a_background_job_and_stacks(g):
             stacks.summary()
         assert job.result(timeout=60) == [0, 1]
     finally:
+        if job is not None and not job.done():  # the module's group stays usable for the rest
+            job.interrupt()
+            job.wait(timeout=30)
         shell.run_line_magic("unload_ext", "nbdist")
 
 

@@ -44,9 +44,15 @@ def test_the_trigger_is_off_with_auto_false(shell, magic_group):
 
 
 def test_a_lightning_the_ranks_lack_gives_a_note_not_a_broken_cell(shell, magic_group,
-                                                                    monkeypatch, capsys):
+                                                                    monkeypatch, caplog):
+    import logging
     import sys
     import types
+
+    from nbdist.runtime import current
+
+    monkeypatch.setattr(current, "_notes_said", set())
+    caplog.set_level(logging.INFO, logger="nbdist")  # outside a kernel a note is a log record
 
     monkeypatch.delitem(sys.modules, "pytorch_lightning", raising=False)
     monkeypatch.setitem(sys.modules, "lightning", types.ModuleType("lightning"))
@@ -54,7 +60,7 @@ def test_a_lightning_the_ranks_lack_gives_a_note_not_a_broken_cell(shell, magic_
     monkeypatch.setattr(warm, "AUTO", True)
     result = shell.run_cell("z = 3")
     assert result.success and shell.user_ns["z"] == 3
-    err = capsys.readouterr().out
+    err = caplog.text
     assert ("nbdist: could not import Lightning on the ranks ahead of the first fit (RemoteError: "
             in err and "fit() will import it when it runs." in err)
     assert magic_group.run(lambda: 1) == [1, 1]
