@@ -64,6 +64,19 @@ def _segments():
             if os.path.basename(p).split("-")[1] in started_ids - running}
 
 
+@pytest.fixture(autouse=True, scope="session")
+def lightning_warmup_off():
+    """nbdist's cell hook has every idle group's ranks import Lightning once the kernel has it (a
+    notebook's first fit then waits less). The suite imports Lightning early, so in-process IPython
+    cells of later tests would set their ranks importing it, ahead of what the test runs (CI: a
+    job's stacks showed that import, not the job). Off for the suite; a test of the warm-up turns
+    it on and back off itself."""
+    from nbdist.lightning import warmup
+
+    warmup.AUTO = False
+    yield
+
+
 @pytest.fixture(autouse=True)
 def no_leaks(request):
     """Fail a test that leaves child processes or nbdist shared-memory segments behind."""

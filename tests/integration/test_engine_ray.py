@@ -103,6 +103,7 @@ def test_dist_magic_a_background_job_and_stacks(g):
     if not loaded:
         shell.run_line_magic("load_ext", "nbdist")
     before = magics.current_group()
+    job = None
     try:
         magics.use_group(g)
         with capture_output() as out:
@@ -118,6 +119,9 @@ def test_dist_magic_a_background_job_and_stacks(g):
             stacks.summary()
         assert job.result(timeout=60) == [0, 1]
     finally:
+        if job is not None and not job.done():  # the module's group stays usable for the rest
+            job.interrupt()
+            job.wait(timeout=30)
         magics.use_group(before)
         if not loaded:
             shell.run_line_magic("unload_ext", "nbdist")
