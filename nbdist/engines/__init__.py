@@ -13,13 +13,16 @@ Every rank an engine places runs ``python -m nbdist.worker --connect ADDR --key-
 the group as an attached rank does (:class:`~nbdist.runtime.attach.AttachLauncher`), so the
 handshake, signing, output, stacks, jobs and debugging are one code path for all.
 
-* :mod:`.base` -- :class:`Engine`, the interface.
+* :mod:`.base` -- :class:`Engine`, the interface; :mod:`.admission` -- the admission every
+  engine's launcher uses (each rank's process is the engine's own kind, joins shown on its wait).
 * :mod:`.slurm` -- ``on="slurm"``: one ``sbatch`` job whose ``srun`` step runs the ranks
   (:mod:`.slurm_launcher`: the launch, the live wait, a lost node as a rank death;
   :mod:`.slurm_cli`: the batch script and SLURM's commands).
 * :mod:`.ray` -- ``on="ray"``: one placement group, one Ray actor per rank running the worker
   (:mod:`.ray_launcher`: place, preflight, start, watch, tear down; :mod:`.ray_session`: this
   kernel's connection to Ray; :mod:`.ray_actor`: the actor's body and the ranks' order).
+* :mod:`.k8s` -- ``on="k8s"``: an Indexed Job, its headless Service and the key as a Secret
+  (:mod:`.k8s_launcher`, :mod:`.k8s_manifests`, :mod:`.k8s_api`).
 
 Threads: a SLURM launch runs ``nbdist-slurm-wait`` while the job waits and the ranks join: it reads
 the job's state once a second, shows it, and wakes the launch when the job ended before its ranks

@@ -22,11 +22,11 @@ import time
 from typing import Callable, Dict, List, Optional
 
 from ..errors import ExitStatus, NbdistError
-from ..runtime.attach import AttachLauncher, _Remote
+from ..runtime.attach import AttachLauncher
 from ..runtime.processes import RemoteProcess
-from ..runtime.ranks import Rank
 from ..runtime.ready import AdmissionStopped
 from . import k8s_api
+from .admission import EngineAdmission
 from .k8s_manifests import Manifests, selector
 
 REFUSAL = ("the ranks of a Kubernetes group run in its Job; nbdist does not restart them. Call "
@@ -191,30 +191,6 @@ class K8sLauncher(AttachLauncher):
                       file=sys.stderr)
 
 
-class _K8sAdmission(_Remote):
-    """Ranks of the Job: counted on the wait's display; their processes know their pod."""
-
-    launcher: K8sLauncher
-    waiting: Optional["_Wait"] = None
-
-    def control(self, hello, channel, ranks):
-        r = super().control(hello, channel, ranks)
-        if r is None:
-            return None
-        p = r.process
-        process = K8sProcess(p.rank, p.pid, p.host, p._relay, p.node, channel)
-        process.launcher = self.launcher
-        return Rank(r.rank, process, channel=channel)
-
-    def joined(self, rank):
-        if self.waiting is not None:
-            self.waiting.joined()
-
-    def timed_out(self, missing, ranks, timeout):
-        state = self.waiting.describe() if self.waiting else "?"
-        return super().timed_out(missing, ranks, timeout) + f" ({state})"
-
-
 class K8sProcess(RemoteProcess):
     """A rank in the Job's pod: lost with what Kubernetes says about the pods."""
 
@@ -243,6 +219,18 @@ class K8sProcess(RemoteProcess):
             return status
         return ExitStatus(lost=True, where=status.where,
                           why=(status.why + "; " if status.why else "") + self._note)
+
+
+class _K8sAdmission(EngineAdmission):
+    """Ranks of the Job: counted on the wait's display; their processes know their pod."""
+
+    process_class = K8sProcess
+    launcher: K8sLauncher
+    waiting: Optional["_Wait"] = None
+
+    def timed_out(self, missing, ranks, timeout):
+        state = self.waiting.describe() if self.waiting else "?"
+        return super().timed_out(missing, ranks, timeout) + f" ({state})"
 
 
 class _Wait:
@@ -349,4 +337,3 @@ class _Wait:
             self.bar.close()
         self.wake.close()
         self._poke.close()
-

@@ -24,11 +24,11 @@ import threading
 from typing import Any, Dict, List, Optional
 
 from ..errors import ExitStatus, NbdistError, ranks_phrase
-from ..runtime.attach import AttachLauncher, _Remote
+from ..runtime.attach import AttachLauncher
 from ..runtime.processes import RemoteProcess
-from ..runtime.ranks import Rank
 from ..runtime.ready import AdmissionStopped
 from . import ray_session
+from .admission import EngineAdmission
 from .ray_actor import RankHost, rank_layout
 
 REFUSAL = ("the ranks of a Ray group run in its actors; nbdist does not restart them. Call stop() "
@@ -242,26 +242,6 @@ class RayLauncher(AttachLauncher):
                 session.tear_down(actors, pg)
 
 
-class _RayAdmission(_Remote):
-    """Ranks of the Ray group: their processes know their Ray node."""
-
-    launcher: RayLauncher
-
-    def control(self, hello, channel, ranks):
-        r = super().control(hello, channel, ranks)
-        if r is None:
-            return None
-        p = r.process
-        process = RayProcess(p.rank, p.pid, p.host, p._relay, p.node, channel)
-        process.launcher = self.launcher
-        return Rank(r.rank, process, channel=channel)
-
-    def timed_out(self, missing, ranks, timeout):
-        return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
-                f"{self.world_size} connected (their Ray actors run; see the Ray dashboard's "
-                "logs of those actors).")
-
-
 class RayProcess(RemoteProcess):
     """A rank in a Ray actor: placed by its Ray node, and lost with what Ray says."""
 
@@ -293,6 +273,18 @@ class RayProcess(RemoteProcess):
             return status
         return ExitStatus(lost=True, where=status.where,
                           why=(status.why + "; " if status.why else "") + self._note)
+
+
+class _RayAdmission(EngineAdmission):
+    """Ranks of the Ray group: their processes know their Ray node."""
+
+    process_class = RayProcess
+    launcher: RayLauncher
+
+    def timed_out(self, missing, ranks, timeout):
+        return (f"{ranks_phrase(missing)} did not join within {timeout:.0f} s; {len(ranks)} of "
+                f"{self.world_size} connected (their Ray actors run; see the Ray dashboard's "
+                "logs of those actors).")
 
 
 class _Watch:
@@ -340,4 +332,3 @@ class _Watch:
         self._thread.join(15.0)
         self.wake.close()
         self._poke.close()
-

@@ -14,6 +14,7 @@ import shlex
 import shutil
 import subprocess
 import sys
+import time
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from ..errors import NbdistError
@@ -97,7 +98,13 @@ def node_states(names: Sequence[str]) -> Dict[str, Tuple[str, str]]:
     """``{node: (state, reason)}`` as sinfo says (``("down", "Not responding")``...)."""
     if not names:
         return {}
-    done = _run(["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%T|%E"])
+    args = ["sinfo", "-h", "-N", "-n", ",".join(names), "-o", "%N|%T|%E"]
+    done = _run(args)
+    for _ in range(2):  # a busy slurmctld times a query out now and then: ask again
+        if done.returncode == 0:
+            break
+        time.sleep(0.5)
+        done = _run(args)
     out = {}
     for line in done.stdout.strip().splitlines() if done.returncode == 0 else []:
         name, state, reason = (line.split("|", 2) + ["", ""])[:3]

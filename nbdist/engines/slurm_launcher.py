@@ -20,11 +20,11 @@ import time
 from typing import List, Optional
 
 from ..errors import ExitStatus, NbdistError, ranks_phrase
-from ..runtime.attach import AttachLauncher, _Remote
+from ..runtime.attach import AttachLauncher
 from ..runtime.processes import RemoteProcess
-from ..runtime.ranks import Rank
 from ..runtime.ready import AdmissionStopped
 from . import slurm_cli
+from .admission import EngineAdmission
 
 REFUSAL = ("the ranks of a SLURM group run in its job; nbdist does not restart them. Call stop() "
            "and nbdist.start(..., on='slurm') again (a new job).")
@@ -181,30 +181,6 @@ class SlurmLauncher(AttachLauncher):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-class _SlurmAdmission(_Remote):
-    """Ranks of the job: counted on the wait's display; their processes know their SLURM node."""
-
-    launcher: SlurmLauncher
-    waiting: Optional["_Wait"] = None
-
-    def control(self, hello, channel, ranks):
-        r = super().control(hello, channel, ranks)
-        if r is None:
-            return None
-        p = r.process
-        process = SlurmProcess(p.rank, p.pid, p.host, p._relay, p.node, channel)
-        process.launcher = self.launcher
-        return Rank(r.rank, process, channel=channel)
-
-    def joined(self, rank):
-        if self.waiting is not None:
-            self.waiting.joined()
-
-    def timed_out(self, missing, ranks, timeout):
-        return (super().timed_out(missing, ranks, timeout) + f" (SLURM job "
-                f"{self.launcher.job_id}: {' '.join(self.waiting.state[:2]) if self.waiting else '?'})")
-
-
 class SlurmProcess(RemoteProcess):
     """A rank in the SLURM job: placed by its SLURM node, and lost with what SLURM says."""
 
@@ -235,6 +211,18 @@ class SlurmProcess(RemoteProcess):
             return status
         why = (status.why + "; " if status.why else "") + self._note
         return ExitStatus(lost=True, where=status.where, why=why)
+
+
+class _SlurmAdmission(EngineAdmission):
+    """Ranks of the job: counted on the wait's display; their processes know their SLURM node."""
+
+    process_class = SlurmProcess
+    launcher: SlurmLauncher
+    waiting: Optional["_Wait"] = None
+
+    def timed_out(self, missing, ranks, timeout):
+        return (super().timed_out(missing, ranks, timeout) + f" (SLURM job "
+                f"{self.launcher.job_id}: {' '.join(self.waiting.state[:2]) if self.waiting else '?'})")
 
 
 class _Wait:

@@ -300,7 +300,8 @@ def _deaths(call: Call, rs: RankSet, auto_restart: bool) -> RankDiedError:
     advice = ""
     if rs.ends_survivors:
         text = attached_advice([r for r in ended if r not in deaths], rs)
-        advice = f"The group failed. {text[0].upper()}{text[1:]}."
+        advice = ("The group failed. " + (text if text.startswith("nbdist") else
+                                          f"{text[0].upper()}{text[1:]}") + ".")
     elif auto_restart:  # not "call restart()": the next call does it
         advice = ("The group was shut down; it restarts on the next call (auto_restart; "
                   "per-rank variables are lost).")

@@ -214,3 +214,21 @@ def test_a_job_that_cannot_be_cancelled_says_how_to(monkeypatch, tmp_path, capsy
     err = capsys.readouterr().err
     assert err.startswith("nbdist: could not cancel SLURM job 4242 (") and \
         err.endswith("); run `scancel 4242`.\n")
+
+
+def test_sinfo_timing_out_once_is_asked_again(monkeypatch, tmp_path):
+    """A busy slurmctld answers sinfo with an error now and then; a lost rank's note asks again
+    instead of losing SLURM's word on the node (a fake sinfo that fails on its first call)."""
+    import os
+
+    from nbdist.engines import slurm_cli
+
+    calls = tmp_path / "calls"
+    sinfo = tmp_path / "sinfo"
+    sinfo.write_text("#!/bin/sh\necho x >> %s\n"
+                     "[ $(wc -l < %s) -gt 1 ] || { echo 'Socket timed out' >&2; exit 1; }\n"
+                     "echo 'n2|down|nbdist-test-down'\n" % (calls, calls))
+    sinfo.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert slurm_cli.node_states(["n2"]) == {"n2": ("down", "nbdist-test-down")}
+    assert calls.read_text().count("x") == 2
