@@ -216,6 +216,7 @@ def test_a_job_that_cannot_be_cancelled_says_how_to(monkeypatch, tmp_path, capsy
         err.endswith("); run `scancel 4242`.\n")
 
 
+@pytest.mark.skipif(sys.platform == "win32", reason="the fake sinfo is a POSIX shell script")
 def test_sinfo_timing_out_once_is_asked_again(monkeypatch, tmp_path):
     """A busy slurmctld answers sinfo with an error now and then; a lost rank's note asks again
     instead of losing SLURM's word on the node (a fake sinfo that fails on its first call)."""
