@@ -21,12 +21,11 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from ..errors import ExitStatus, NbdistError
+from ..errors import NbdistError
 from ..runtime.attach import AttachLauncher
-from ..runtime.processes import RemoteProcess
 from ..runtime.ready import AdmissionStopped
 from . import k8s_api
-from .admission import EngineAdmission
+from .admission import EngineAdmission, EngineProcess
 from .k8s_manifests import Manifests, selector
 
 REFUSAL = ("the ranks of a Kubernetes group run in its Job; nbdist does not restart them. Call "
@@ -191,11 +190,10 @@ class K8sLauncher(AttachLauncher):
                       file=sys.stderr)
 
 
-class K8sProcess(RemoteProcess):
+class K8sProcess(EngineProcess):
     """A rank in the Job's pod: lost with what Kubernetes says about the pods."""
 
     launcher: K8sLauncher
-    _note: Optional[str] = None
     lost_advice = ("nbdist does not restart the ranks of a Kubernetes Job: call stop(), then "
                    "nbdist.start(..., on='k8s') again (a new Job)")
 
@@ -204,21 +202,12 @@ class K8sProcess(RemoteProcess):
         """``"pod 1: nbdist-ab12cd34-1"`` (the pod's host name)."""
         return f"pod {self.node}: {self.host}"
 
-    @property
-    def exit_status(self) -> Optional[ExitStatus]:
-        """As an attached rank's, with Kubernetes' word on the pods when it was lost."""
-        status = super().exit_status
-        if status is None or not status.lost:
-            return status
-        if self._note is None:
-            try:
-                self._note = self.launcher.death_note()
-            except (OSError, ValueError, getattr(self.launcher.api, "exception", OSError)):
-                self._note = ""
-        if not self._note:
-            return status
-        return ExitStatus(lost=True, where=status.where,
-                          why=(status.why + "; " if status.why else "") + self._note)
+    def engine_note(self) -> str:
+        """Kubernetes' word on the Job's pods."""
+        try:
+            return self.launcher.death_note()
+        except (OSError, ValueError, getattr(self.launcher.api, "exception", OSError)):
+            return ""
 
 
 class _K8sAdmission(EngineAdmission):

@@ -23,12 +23,11 @@ import socket
 import threading
 from typing import Any, Dict, List, Optional
 
-from ..errors import ExitStatus, NbdistError, ranks_phrase
+from ..errors import NbdistError, ranks_phrase
 from ..runtime.attach import AttachLauncher
-from ..runtime.processes import RemoteProcess
 from ..runtime.ready import AdmissionStopped
 from . import ray_session
-from .admission import EngineAdmission
+from .admission import EngineAdmission, EngineProcess
 from .ray_actor import RankHost, rank_layout
 
 REFUSAL = ("the ranks of a Ray group run in its actors; nbdist does not restart them. Call stop() "
@@ -242,11 +241,10 @@ class RayLauncher(AttachLauncher):
                 session.tear_down(actors, pg)
 
 
-class RayProcess(RemoteProcess):
+class RayProcess(EngineProcess):
     """A rank in a Ray actor: placed by its Ray node, and lost with what Ray says."""
 
     launcher: RayLauncher
-    _note: Optional[str] = None
     lost_advice = ("nbdist does not restart the ranks of a Ray group: call stop(), then "
                    "nbdist.start(..., on='ray') again")
 
@@ -258,21 +256,12 @@ class RayProcess(RemoteProcess):
             return super().where
         return f"node {place['node']}: Ray node {place['node_id'][:8]}, host {self.host}"
 
-    @property
-    def exit_status(self) -> Optional[ExitStatus]:
-        """As an attached rank's, with Ray's word on the node and the actor when it was lost."""
-        status = super().exit_status
-        if status is None or not status.lost:
-            return status
-        if self._note is None:
-            try:
-                self._note = self.launcher.death_note(self.rank)
-            except Exception:  # noqa: BLE001 -- Ray unreachable: the loss is still reported
-                self._note = ""
-        if not self._note:
-            return status
-        return ExitStatus(lost=True, where=status.where,
-                          why=(status.why + "; " if status.why else "") + self._note)
+    def engine_note(self) -> str:
+        """Ray's word on the rank's node and actor."""
+        try:
+            return self.launcher.death_note(self.rank)
+        except Exception:  # noqa: BLE001 -- Ray unreachable: the loss is still reported
+            return ""
 
 
 class _RayAdmission(EngineAdmission):

@@ -19,12 +19,11 @@ import threading
 import time
 from typing import List, Optional
 
-from ..errors import ExitStatus, NbdistError, ranks_phrase
+from ..errors import NbdistError, ranks_phrase
 from ..runtime.attach import AttachLauncher
-from ..runtime.processes import RemoteProcess
 from ..runtime.ready import AdmissionStopped
 from . import slurm_cli
-from .admission import EngineAdmission
+from .admission import EngineAdmission, EngineProcess
 
 REFUSAL = ("the ranks of a SLURM group run in its job; nbdist does not restart them. Call stop() "
            "and nbdist.start(..., on='slurm') again (a new job).")
@@ -181,11 +180,10 @@ class SlurmLauncher(AttachLauncher):
             shutil.rmtree(self.workdir, ignore_errors=True)
 
 
-class SlurmProcess(RemoteProcess):
+class SlurmProcess(EngineProcess):
     """A rank in the SLURM job: placed by its SLURM node, and lost with what SLURM says."""
 
     launcher: SlurmLauncher
-    _note: Optional[str] = None
     #: what a lost rank's error tells to do (instead of an attached group's "re-run the launcher")
     lost_advice = ("nbdist does not restart the ranks of a SLURM job: call stop(), then "
                    "nbdist.start(..., on='slurm') again (a new job)")
@@ -196,21 +194,12 @@ class SlurmProcess(RemoteProcess):
         name = self.launcher.node_name(self.node)
         return f"node {self.node}: {name}, host {self.host}" if name else super().where
 
-    @property
-    def exit_status(self) -> Optional[ExitStatus]:
-        """As an attached rank's, with SLURM's word on the node and the job when it was lost."""
-        status = super().exit_status
-        if status is None or not status.lost:
-            return status
-        if self._note is None:
-            try:
-                self._note = self.launcher.death_note()
-            except (OSError, ValueError, slurm_cli.subprocess.TimeoutExpired):
-                self._note = ""
-        if not self._note:
-            return status
-        why = (status.why + "; " if status.why else "") + self._note
-        return ExitStatus(lost=True, where=status.where, why=why)
+    def engine_note(self) -> str:
+        """SLURM's word on the job's nodes that are down and on the job."""
+        try:
+            return self.launcher.death_note()
+        except (OSError, ValueError, slurm_cli.subprocess.TimeoutExpired):
+            return ""
 
 
 class _SlurmAdmission(EngineAdmission):
