@@ -23,6 +23,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 import torch
+from engine_checks import lightning_fit_one_epoch, magic_cell_job_and_stacks
 from slurm_helpers import LocalSlurm
 
 import nbdist
@@ -84,40 +85,8 @@ def test_the_ranks_get_torchruns_variables_and_their_slurm_nodes(g):
         g.restart()
 
 
-def test_dist_magic_a_background_job_and_stacks(g, monkeypatch):
-    from IPython.testing import globalipapp
-    from IPython.testing.globalipapp import start_ipython
-    from IPython.utils.capture import capture_output
-
-    from nbdist.lightning import warmup
-    from nbdist.ui import magics
-
-    shell = start_ipython() or globalipapp.get_ipython()
-    shell.display_formatter.active_types = shell.display_formatter.format_types
-    shell.run_line_magic("load_ext", "nbdist")
-    # Earlier tests in this process imported Lightning: the cell hook would have the ranks import
-    # it too, and the job's stacks would show that import ahead of nap().
-    monkeypatch.setattr(warmup, "AUTO", False)
-    job = None
-    try:
-        magics.use_group(g)
-        with capture_output() as out:
-            shell.run_cell("%%dist\nprint('hello from', rank)\nrank * 3")
-        assert [o.data.get("text/plain") for o in out.outputs] == ["Out[rank 0]: 0",
-                                                                  "Out[rank 1]: 3"]
-        assert "hello from" in out.stdout
-        job = shell.run_cell_magic("dist", "--bg on_slurm -q",
-                                   "import time\ndef nap():\n    time.sleep(3)\nnap()\nrank")
-        time.sleep(1.0)
-        stacks = g.stacks(timeout=10)
-        assert all(line.endswith(" nap") for line in stacks.summary().splitlines()), \
-            stacks.summary()
-        assert job.result(timeout=60) == [0, 1]
-    finally:
-        if job is not None and not job.done():  # the module's group stays usable for the rest
-            job.interrupt()
-            job.wait(timeout=30)
-        shell.run_line_magic("unload_ext", "nbdist")
+def test_dist_magic_a_background_job_and_stacks(g):
+    magic_cell_job_and_stacks(g, "on_slurm")
 
 
 def test_collective_benchmark_and_memory_measure(g):
@@ -134,37 +103,8 @@ def _small():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
 
 
-LIGHTNING = '''
-import torch
-import pytorch_lightning as pl
-from torch.utils.data import DataLoader, TensorDataset
-
-def make_data():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(32, 4, generator=g)
-    return DataLoader(TensorDataset(x, x.sum(1, keepdim=True)), batch_size=8)
-
-class Tiny(pl.LightningModule):
-    def __init__(self):
-        super().__init__()
-        self.net = torch.nn.Linear(4, 1)
-    def training_step(self, batch, i):
-        return torch.nn.functional.mse_loss(self.net(batch[0]), batch[1])
-    def configure_optimizers(self):
-        return torch.optim.SGD(self.parameters(), lr=0.05)
-'''
-
-
 def test_lightning_fit(g, tmp_path):
-    pytest.importorskip("pytorch_lightning")
-    import nbdist.lightning as nl
-
-    nb = {"__name__": "__main__"}
-    exec(LIGHTNING, nb)
-    results = nl.fit(g, nb["Tiny"], nb["make_data"], "ddp", max_epochs=1, logger=False,
-                     default_root_dir=str(tmp_path), enable_progress_bar=False,
-                     enable_checkpointing=False, enable_model_summary=False)
-    assert [(r.rank, r.global_step) for r in results] == [(0, 2), (1, 2)]
+    lightning_fit_one_epoch(g, tmp_path)
 
 
 # ---- jobs of their own: refused, cancelled, a kernel that goes -----------------------------------
