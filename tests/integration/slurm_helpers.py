@@ -106,6 +106,16 @@ class LocalSlurm:
                 pass
         subprocess.run(["bash", str(self.script), "stop", str(self.dir)], capture_output=True,
                        timeout=60)
+        # a step whose node's slurmd was killed (a test does it) never hears its job end: its
+        # slurmstepd, working in this cluster's log directory, outlives the daemons otherwise
+        for proc in psutil.process_iter(["name"]):
+            try:
+                if (proc.info["name"] or "").startswith("slurmstepd") and \
+                        proc.cwd().startswith(str(self.dir)):
+                    proc.kill()
+                    pids.append(proc.pid)
+            except psutil.Error:
+                pass
         deadline = time.monotonic() + 20  # the daemons save their state and free their ports
         while any(_running(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.1)
