@@ -33,6 +33,8 @@ FIELDS = {
               "statistic); spikes included; the bandwidths do not use it",
     "p10_s": "10th percentile of the same",
     "p90_s": "90th percentile of the same",
+    "spiked": "share of the iterations slower than NOISY_SPREAD (2) x p10_s (the spikes); while "
+              "it stays under 0.5 the median is not one of them",
     "noisy": "True when p90_s > NOISY_SPREAD (2) x p10_s: the iterations disagree; measure "
              "again or with more iters",
     "rank_min_s": "fastest rank's own median time",

@@ -44,8 +44,9 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     statistic as the time shown next to them, and one that a few preempted iterations (a rank
     that lost its core for a scheduler slice) do not move. ``mean_s`` (the slowest rank's block
     time / iters, what nccl-tests divides by) is kept for reference; it includes those spikes.
-    ``noisy`` is True when ``p90_s > NOISY_SPREAD * p10_s``: the iterations disagree, so the
-    point is worth measuring again. ``meta`` supplies world_size, backend, device, dtype, iters,
+    ``spiked`` is the share of iterations slower than ``NOISY_SPREAD * p10_s``; ``noisy`` is
+    True when ``p90_s > NOISY_SPREAD * p10_s`` (more than a tenth spiked): the iterations
+    disagree, so the point is worth measuring again. ``meta`` supplies world_size, backend, device, dtype, iters,
     warmup.
     """
     first = results[0]
@@ -63,6 +64,7 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     rec.update(time_s=statistics.median(per_iter), mean_s=max(map(statistics.fmean, timed)),
                p10_s=percentile(per_iter, 10), p90_s=percentile(per_iter, 90),
                rank_min_s=min(rank_medians), rank_max_s=max(rank_medians))
+    rec["spiked"] = sum(t > NOISY_SPREAD * rec["p10_s"] for t in per_iter) / len(per_iter)
     rec["noisy"] = rec["p90_s"] > NOISY_SPREAD * rec["p10_s"]
     rec["algbw_GBps"], rec["busbw_GBps"] = bandwidths(op, rec["bytes"], rec["time_s"],
                                                       meta["world_size"])

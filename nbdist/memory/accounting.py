@@ -280,7 +280,8 @@ def _deepspeed_notes(opt, precision: str, grads: int) -> List[str]:
         notes.append(f"DeepSpeed keeps an fp32 master copy of this rank's partition "
                      f"({format_bytes(master)}, in optim) next to the fp32 parameters: the "
                      "optimizer steps the copy and all-gathers it back into the parameters. The "
-                     "fp32 formula has no master copy (K=8), so optim is 4Ψ/N above it")
+                     "fp32 formula counts K=8 bytes of optimizer state per parameter (Adam's two "
+                     "moments) and no master copy, so optim is 4Ψ/N above it")
     engine = getattr(opt, "engine", None)
     if engine is not None and engine.zero_optimization_stage() == 1 and grads:
         notes.append(f"DeepSpeed's stage 1 also keeps only this rank's gradient partition at the "

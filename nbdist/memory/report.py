@@ -25,7 +25,7 @@ class MemoryRecord:
 
     ``params``, ``grads``, ``optimizer``: unique storages (exact). ``other``: other tensors the
     process gained, after the step; ``in_flight``: the same between forward and backward
-    (activations included). ``peak``: during the last step (``None`` when not measured). ``rss``,
+    (activations included; ``None`` where not measured: under ``"pp"``). ``peak``: during the last step (``None`` when not measured). ``rss``,
     ``rss_base``: process RSS after and before the run. ``estimate``/``formula``: the ZeRO figure
     for ``model_state`` (for ``"pp"``: the stage's layers, ``local_params`` of them, which
     ``layers`` names); ``notes``: why they differ, where they do.
@@ -40,7 +40,7 @@ class MemoryRecord:
     grads: int
     optimizer: int
     other: int
-    in_flight: int
+    in_flight: Optional[int]
     peak: Optional[int]
     rss: Optional[int]
     rss_base: Optional[int]
@@ -92,6 +92,9 @@ _IN_FLIGHT = ("in-flight: tensors created by the last step's forward and alive a
               "activations, what a strategy unshards for backward, and any collective's buffer not "
               "yet freed at that moment")
 _FSDP2_FLIGHT = " (FSDP2's all-gather buffer, one layer's shard: on some runs and ranks only)"
+_PP_FLIGHT = ("in-flight under pp: not measured (a pipeline's forwards and backwards of different "
+              "microbatches interleave); Timeline.in_flight() gives the most microbatches whose "
+              "activations a rank holds at once")
 _NO_PEAK = ("peak: not measured on CPU (measure(..., profile=True) takes it from the torch "
             "profiler; on CUDA it is max_memory_allocated)")
 
@@ -126,6 +129,7 @@ class MemoryReport(list):
         fsdp2 = any(r.strategy.startswith("fsdp2") or r.strategy == "hsdp" for r in self)
         notes += [_IN_FLIGHT + (_FSDP2_FLIGHT if fsdp2 else "")] if any(
             r.in_flight for r in self) else []
+        notes += [_PP_FLIGHT] if any(r.in_flight is None for r in self) else []
         notes += [] if peak or not self else [_NO_PEAK]
         notes += [n for n in (_rss_note(self),) if n]
         rows = self.to_dicts()

@@ -208,7 +208,7 @@ class Timeline:
                 Column("busy_s", "busy", "time", group="step"),
                 Column("idle_s", "idle", "time", group="step"),
                 Column("idle", "idle share", "fraction", decimals=1),
-                Column("in_flight", "peak in flight (mb)", "number")]
+                Column("in_flight", "peak in flight (microbatches)", "number")]
         theory_text = "not computed" if b["theory"] is None else f"{b['theory']:.1%}"
         notes = [f"{self.schedule}, {self.microbatches} microbatches, {self.ranks} ranks, "
                  f"{self.num_stages} stages; forward/backward: mean per microbatch; peak in "

@@ -208,5 +208,5 @@ class Job:
                         f"<td>{cells}</td></tr>")
         table = ("<table><thead><tr><th>rank</th><th>last step</th><th>last values</th></tr>"
                  f"</thead><tbody>{''.join(rows)}</tbody></table>") if rows else ""
-        return (f"<div class='nbdist-job'><b>nbdist job</b> {html.escape(self.name)}: "
+        return (f"<div class='nbdist-job'><b>nbdist job</b> '{html.escape(self.name)}': "
                 f"{html.escape(self.state)}, {self.elapsed:.1f} s{table}</div>")

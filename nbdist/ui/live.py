@@ -102,6 +102,7 @@ class Watch:
                 finish_status(self.job)  # the --bg cell's display of the job: how it ended
                 break
         self.button.disabled = True
+        self.button.layout.display = "none"  # a saved notebook shows no button for a job ended
 
     def refresh(self) -> None:
         """Redraw now if anything changed since the last redraw."""

@@ -146,6 +146,7 @@ def test_the_live_views_interrupt_button_interrupts_the_job(shell, dist_group):
         job.result()
     view.join(30)
     assert view.button.disabled  # the view's last redraw disables it
+    assert view.button.layout.display == "none"  # and hides it: a saved page shows no dead button
     if dist_group.state == "broken":  # a rank was inside a collective of the runtime
         dist_group.restart()
     assert dist_group.run(lambda: 5) == [5, 5]

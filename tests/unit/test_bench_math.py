@@ -51,6 +51,7 @@ def test_summarize_takes_the_slowest_rank_per_iteration():
     assert rec["time_s"] == 4.0 and rec["mean_s"] == 4.0
     assert rec["p10_s"] == pytest.approx(3.2) and rec["p90_s"] == pytest.approx(7.2)
     assert (rec["rank_min_s"], rec["rank_max_s"]) == (2.0, 3.0)  # each rank's own median
+    assert rec["spiked"] == pytest.approx(1 / 3)  # 8 > 2 x 3.2; 4 is not
     assert rec["algbw_GBps"] == 0.25 and rec["busbw_GBps"] == 0.25 * 1.5  # from the median
     assert rec["status"] == "ok" and rec["verified"] is True and rec["note"] is None
     assert list(rec) == list(bench.FIELDS)

@@ -77,7 +77,7 @@ def test_peak_activations_in_flight_follow_the_order_of_events():
     tl = one_f_one_b()
     assert tl.in_flight() == {0: 2, 1: 1}  # p - rank
     assert [r["in_flight"] for r in tl.rows()] == [2, 1]
-    assert "peak in flight (mb)" in tl.table().text()
+    assert "peak in flight (microbatches)" in tl.table().text()
 
 
 def spread(tl, gap):
