@@ -341,7 +341,6 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
                         f"here: {err}", f"{type(err).__name__}: {err}\n", time.time())
                     results.append(None)
             todo.pop(0)
-        rs.relay.drain(flush_partial=True)
     except KeyboardInterrupt:  # every rank replied: only these results are lost, not the group
         for i, r in enumerate(todo):  # segments of replies never unpickled go back to the ranks
             rs.release(r, [p for p in call.replies[r][2] or () if i or p not in claimed])

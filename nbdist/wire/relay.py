@@ -290,8 +290,9 @@ class OutputRelay:
         return not self._closed and self._sel.get_map().get(key.fd) is key
 
     def _read_ready(self) -> None:
-        """(Under the lock.) Read every stream still registered, each once."""
-        for key in list(self._sel.get_map().values()):
+        """(Under the lock, open.) Read once each stream with bytes or its end to read: one poll
+        that does not wait (the relay thread's own poll of the selector sees the same)."""
+        for key, _ in self._sel.select(0):
             if key.data is not None and self._registered(key):
                 self._read(key.fileobj, key.data)
 

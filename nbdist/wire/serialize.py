@@ -150,6 +150,9 @@ class Pickler(cloudpickle.Pickler):
                  self.unlink))
 
 
+_PLAIN = (type(None), bool, int, float, str)  #: pickled as they are, by plain pickle
+
+
 def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
           unlink: bool = True, pool=None,
           code_names: Optional[Callable[[str], Optional[str]]] = None):
@@ -159,6 +162,8 @@ def dumps(obj: Any, prefix: Optional[str] = None, private: bool = False,
     On failure every segment already written is removed (or given back to ``pool``) before the
     error propagates.
     """
+    if type(obj) in _PLAIN:  # nothing for cloudpickle to do (a call's usual None, a number)
+        return pickle.dumps(obj, protocol=5), []
     buf = io.BytesIO()
     pickler = Pickler(buf, prefix, private, unlink, pool, code_names)
     try:
