@@ -92,6 +92,20 @@ def _readable(sock: socket.socket, timeout: float) -> bool:
     return bool(select.select([sock], [], [sock], timeout)[0])  # Windows: sockets only anyway
 
 
+def _recv_now(sock: socket.socket, view: memoryview) -> Optional[int]:
+    """Read what ``sock`` already holds into ``view`` without waiting; ``None``: nothing yet (or
+    no non-waiting read on this platform)."""
+    if not _DONTWAIT:
+        return None
+    try:
+        return sock.recv_into(view, len(view), _DONTWAIT)
+    except (BlockingIOError, InterruptedError):
+        return None
+
+
+_DONTWAIT = getattr(socket, "MSG_DONTWAIT", 0)  # Linux, macOS; not Windows
+
+
 def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None,
                stall: Optional[float] = None, begun: bool = False) -> bytes:
     """Read exactly ``n`` bytes or raise ``ConnectionError`` on EOF (``socket.timeout`` once the
@@ -103,14 +117,18 @@ def recv_exact(sock: socket.socket, n: int, deadline: Optional[float] = None,
     view = memoryview(buf)
     got = 0
     while got < n:
+        k = None
         if deadline is not None:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise socket.timeout("handshake deadline passed")
             sock.settimeout(left)
-        elif stall is not None and (got or begun) and not _readable(sock, stall):
-            raise MessageStalled(f"the peer sent part of a message, then nothing for {stall:g} s")
-        k = sock.recv_into(view[got:], n - got)
+        elif stall is not None and (got or begun):
+            k = _recv_now(sock, view[got:])  # usually the rest is here: no poll, no wait
+            if k is None and not _readable(sock, stall):
+                raise MessageStalled(f"the peer sent part of a message, then nothing for "
+                                     f"{stall:g} s")
+        k = sock.recv_into(view[got:], n - got) if k is None else k
         if k == 0:
             raise ConnectionError("connection closed by peer")
         got += k
