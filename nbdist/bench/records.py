@@ -33,8 +33,8 @@ FIELDS = {
               "statistic); spikes included; the bandwidths do not use it",
     "p10_s": "10th percentile of the same",
     "p90_s": "90th percentile of the same",
-    "spiked": "share of the iterations slower than NOISY_SPREAD (2) x p10_s (the spikes); while "
-              "it stays under 0.5 the median is not one of them",
+    "spiked": "share of the iterations slower than NOISY_SPREAD (2) x p10_s (the spikes); from "
+              "0.5 the median is one of them",
     "noisy": "True when p90_s > NOISY_SPREAD (2) x p10_s: the iterations disagree; measure "
              "again or with more iters",
     "rank_min_s": "fastest rank's own median time",
@@ -178,7 +178,7 @@ class Records(Table):
     """
 
     SHOWN = ["op", "bytes", "world_size", "backend", "time_s", "p10_s", "p90_s", "algbw_GBps",
-             "busbw_GBps", "noisy", "status"]
+             "busbw_GBps", "spiked", "noisy", "status"]
     """The columns ``str()`` and the notebook display show (all are in the data)."""
 
     def _column(self, key: str) -> Column:
@@ -187,6 +187,8 @@ class Records(Table):
         col = super()._column(key)
         if col.kind == "time":
             return Column(key, "median" if key == "time_s" else col.name, "time", group="time")
+        if key == "spiked":
+            return Column(key, "spiked", "fraction", decimals=0)
         return col
 
     def _view(self, columns: Optional[List[str]] = None) -> TableView:
@@ -207,9 +209,15 @@ class Records(Table):
                     else "")
             notes.append(f"median{spread} of {'/'.join(map(str, iters)) or 'the'} "
                          f"iterations, slowest rank{rate}")
+        if "spiked" in shown:
+            notes.append(f"spiked: the iterations slower than {NOISY_SPREAD:g} x p10; from half "
+                         "of them, the median is one of those")
         if "noisy" in shown and any(r.get("noisy") for r in self):
             notes.append(f"noisy: p90 > {NOISY_SPREAD:g} x p10, the iterations disagree (often "
                          f"a rank that waited for a core); measure again or with more iters")
+        if "status" in shown:
+            notes.append("status: ok (the result was checked), unsupported (the backend "
+                         "lacks the op) or wrong (the check failed)")
         return notes + list(dict.fromkeys(f"{r['op']}: {r['note']}" for r in self
                                           if r.get("note") and r.get("op")))
 

@@ -126,8 +126,10 @@ def _collect(prof, rank: int) -> List[Dict[str, Any]]:
     return pair(calls, kernels or execs, rank)
 
 
-_SHARE = ("per rank: calls, time; size: bytes per call; share: the op's time over the traced "
-          "block's (collectives that overlap compute count in full, so shares may add up past 100%)")
+_SHARE = ("per rank: calls, time; size: per call; time: from a rank's call of the op to its end, "
+          "so it includes waiting for the other ranks to call it too; share: the op's time over "
+          "the traced block's (collectives that overlap compute count in full, so shares may add "
+          "up past 100%)")
 
 
 class Summary(Table):

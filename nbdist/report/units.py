@@ -167,6 +167,13 @@ TIME_SUFFIXES = (("_ms", 1e-3), ("_us", 1e-6), ("_ns", 1e-9), ("_s", 1.0))
 tables, reprs and plots show it in the unit that suits its values."""
 
 
+def bare_name(name: str) -> str:
+    """Scalar ``name`` without the unit suffix of a time (``data_ms`` -> ``data``): what
+    tables and reprs call a time they show in another unit than its name's."""
+    suffix = next((s for s, _ in TIME_SUFFIXES if name.endswith(s) and len(name) > len(s)), "")
+    return name[:len(name) - len(suffix)]
+
+
 def seconds_per_unit(name: str) -> Optional[float]:
     """Seconds in one unit of scalar ``name``, from its suffix (``step_s``: 1, ``data_ms``: 1e-3);
     ``None`` where the name says it is not a time."""

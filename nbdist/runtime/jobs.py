@@ -15,6 +15,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional
 
 from ..errors import GroupBusyError, JobPausedError
+from ..report.units import bare_name
 from . import rankpdb
 from .calls import INTERRUPTED, OUTPUT_LINES, Call  # noqa: F401 -- OUTPUT_LINES: its old home
 from .metrics import Metrics, format_value
@@ -201,7 +202,7 @@ class Job:
     def _repr_html_(self) -> str:
         rows, steps = [], self.metrics.last_step()
         for rank, values in sorted(self.metrics.last().items()):
-            cells = ", ".join(f"{html.escape(n)} = {html.escape(format_value(n, v))}"
+            cells = ", ".join(f"{html.escape(bare_name(n))} = {html.escape(format_value(n, v))}"
                               for n, (_, v) in values.items())
             step = steps.get(rank)
             rows.append(f"<tr><td>{rank}</td><td>{'' if step is None else step}</td>"

@@ -9,7 +9,7 @@ from dataclasses import replace
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
 from ..report.table import Column, TableView, unit_of
-from ..report.units import format_time, percentile, seconds_per_unit
+from ..report.units import bare_name, format_time, percentile, seconds_per_unit
 from ..wire import locks
 
 FIELDS = ("rank", "step", "name", "value", "time_s")
@@ -192,7 +192,7 @@ class Metrics:
         thinned = f" (older rows thinned: {self.dropped} dropped)" if self.dropped else ""
         lines = [f"<nbdist Metrics: {len(self)} rows, {len(last)} ranks{thinned}>"]
         for rank in sorted(last):
-            parts = [f"{name}={format_value(name, value)}"
+            parts = [f"{bare_name(name)}={format_value(name, value)}"
                      for name, (_, value) in last[rank].items()]
             step = self.last_step().get(rank)
             lines.append(f"  rank {rank}" + (f" step {step}" if step is not None else "") + ": "

@@ -59,7 +59,7 @@ class GroupStatus:
     @property
     def _columns(self):  # "node" only for ranks torchrun/srun started
         nodes = ("node",) if any(r.node for r in self.ranks) else ()
-        return ("rank", "pid", "host") + nodes + ("device", "backend", "state", "memory",
+        return ("rank", "pid", "host") + nodes + ("device", "backend", "state", "memory (RSS)",
                                                   "last error")
 
     def _rows(self):

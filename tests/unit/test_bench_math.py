@@ -208,7 +208,7 @@ def test_table_text_html_and_joins():
     text = str(records)
     assert re.split(" {2,}", text.splitlines()[0]) == [  # one unit per column, in its header
         "op", "size (MiB)", "world_size", "backend", "median (µs)", "p10 (µs)", "p90 (µs)",
-        "algbw (GB/s)", "busbw (GB/s)", "noisy", "status"]
+        "algbw (GB/s)", "busbw (GB/s)", "spiked (%)", "noisy", "status"]
     assert text.splitlines()[2].split()[:2] == ["all_reduce", "954"]  # 10**9 B in MiB
     assert text.splitlines()[2].split()[4:7] == ["2500", "2100", "2900"]  # µs, as the header
     assert "<table>" in records._repr_html_() and "barrier" in records._repr_html_()

@@ -118,13 +118,18 @@ def test_sweep_table_has_one_unit_per_column_in_html_and_text():
     records = _sweep()
     heads, rows = _html_table(records._repr_html_())
     assert heads == ["op", "size (KiB)", "world_size", "backend", "median (µs)", "p10 (µs)",
-                     "p90 (µs)", "algbw (GB/s)", "busbw (GB/s)", "noisy", "status"]
+                     "p90 (µs)", "algbw (GB/s)", "busbw (GB/s)", "spiked (%)", "noisy", "status"]
     assert [r[1] for r in rows] == ["4", "65536"]
     assert [r[4] for r in rows] == ["12", "31000"]  # not "12 µs" and "31 ms"
     assert [r[8] for r in rows] == ["0.341", "2.165"]  # 4096 B / 12 µs, times 2 (n - 1) / n
     header, lines = _text_table(str(records))
     lines, notes = lines[:len(records)], lines[len(records):]  # the notes follow the rows
-    assert notes == ["median (p10, p90) of 3 iterations, slowest rank; algbw = size / median"]
+    assert notes == ["median (p10, p90) of 3 iterations, slowest rank; algbw = size / median",
+                     "spiked: the iterations slower than 2 x p10; from half of them, the median "
+                     "is one of those",
+                     "status: ok (the result was checked), unsupported (the backend lacks the op) "
+                     "or wrong (the check failed)"]
+    assert [r[9] for r in rows] == ["0", "0"]  # no iteration spiked
     assert header.startswith("op          size (KiB)  world_size  backend  median (µs)")
     assert "µs" not in "".join(lines) and "GB/s" not in "".join(lines)
     assert len({len(line) for line in lines}) == 1
@@ -168,8 +173,9 @@ def test_trace_summary_and_plain_tables():
     assert heads == ["op", "calls", "size (KiB)", "time (ms)", "mean (ms)", "share (%)"]
     assert rows[0] == ["all_reduce", "1", "4", "2.000", "2.000", "0.2"]
     assert rows[1] == ["barrier", "1", "-", "0.050", "0.050", "0.0"]
-    assert tr.summary()._notes()[0].startswith("per rank: calls, time; size: bytes per call; "
-                                               "share: the op's time over the traced block's")
+    assert tr.summary()._notes()[0].startswith("per rank: calls, time; size: per call; time: "
+                                               "from a rank's call of the op to its end")
+    assert "share: the op's time over the traced block's" in tr.summary()._notes()[0]
     assert Table([{"a": 1, "b": "x"}]).format() == "a  b\n----\n1  x"
 
 

@@ -182,9 +182,11 @@ def plot_timeline(trace, ax=None):
         _, ax = style.new_figure(0.6 * len(ranks) + 1.6)
     starts = [b for b, _ in spans.values()] + [e["start"] for e in events]
     t0 = min(starts) if starts else 0.0
+    label = "traced block"  # one legend entry for the bands
     for rank, (begin, end) in spans.items():
         ax.broken_barh([((begin - t0) * 1e3, (end - begin) * 1e3)], (rank - 0.45, 0.9),
-                       color="0.93", zorder=0)
+                       color="0.93", zorder=0, label=label)
+        label = None
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     ops = list(dict.fromkeys(e["op"] for e in events))
     for i, op in enumerate(ops):

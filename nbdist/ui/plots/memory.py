@@ -126,7 +126,10 @@ def plot_estimate(curve, ax=None, mark: Optional[int] = None, measured: Optional
     ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     ax.yaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("world size N (ranks)")
-    ax.set_ylabel(f"params + grads + optimizer per rank ({unit_name})")
+    # decimal units, as the ZeRO paper writes its figures; the label says so next to binary tables
+    power = {"KB": "10³", "MB": "10⁶", "GB": "10⁹", "TB": "10¹²"}.get(unit_name)
+    ax.set_ylabel(f"model state per rank ({unit_name}"
+                  + (f" = {power} B)" if power else ")"))
     ax.set_title(f"ZeRO estimate, Ψ = {curve.num_params:,}, {curve.precision} {curve.optimizer}")
     style.legend_outside(ax)
     return ax

@@ -229,8 +229,11 @@ def figure_png(draw: Callable, figsize: Tuple[float, float], ncols: int = 1) -> 
 
 
 def image() -> widgets.Image:
-    """An empty PNG image widget for a figure."""
-    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%",
+    """An empty PNG image widget for a figure, hidden while it has none (an empty image shows as
+    a broken one)."""
+    img = widgets.Image(format="png", layout=widgets.Layout(max_width="100%", display="none",
                                                             align_self="flex-start"))
     img.add_class("nbdist-figure")
+    img.observe(lambda change: setattr(img.layout, "display", None if change["new"] else "none"),
+                "value")
     return img

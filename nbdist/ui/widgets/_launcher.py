@@ -291,7 +291,7 @@ class Launcher(Panel):
                 + f">{html.escape(text)}</td>" for text, cls in cells) + "</tr>")
         head = "".join(f"<th style='text-align:left;padding-right:1em'>{c}</th>" for c in
                        ("rank", "state", "pid") + (("host", "node") if remote else ())
-                       + ("device", "memory", "last error"))
+                       + ("device", "memory (RSS)", "last error"))
         note = (f"<div class='nbdist-restart-note' style='font-size:smaller;color:#444'>Restart "
                 f"is off: {html.escape(refusal)}</div>" if refusal else "")
         job = (f"<div class='nbdist-job'>{html.escape(s.job)}</div>" if s.job else "")
