@@ -60,7 +60,9 @@ def connect(cfg: Dict[str, Any]) -> Tuple[Any, Optional[Any]]:
     for fd, stream in ((1, "stdout"), (2, "stderr")):
         sock, seal = transport.connect_session(tuple(cfg["address"]), cfg["key"],
                                                {"rank": rank, "role": stream, "pid": os.getpid()})
-        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
+        current = sys.stdout if fd == 1 else sys.stderr
+        if current is not None:  # None: started without that handle (Windows, no console)
+            current.flush()
         if seal is not None:  # protected: fd -> pipe -> a thread that seals -> socket
             sealed.keep_log_fd()
             pump.PUMPS.append(pump.PipePump(fd, sock, seal, sealed.stream_lost, stream))

@@ -107,3 +107,37 @@ def test_an_unknown_stream_mode_is_refused_before_any_rank_starts(monkeypatch):
     with pytest.raises(ValueError, match="got 'fifo'"):
         nbdist.start(2)
     assert {p.pid for p in psutil.Process().children(recursive=True)} <= before
+
+
+WITHOUT_STD_FDS = """
+import os, sys
+result = sys.argv[1]
+os.close(1), os.close(2)  # as a Windows parent without a console (or pytest's capture under Wine)
+sys.stdout = sys.stderr = None  # what Python makes of them when it starts without them
+import nbdist
+lines = []
+with nbdist.start(2, start_method=sys.argv[2], output=lambda r, s, t: lines.append((r, s, t)),
+                  **eval(sys.argv[3])) as g:
+    values = g.exec("print('hello from', rank); rank * 10")
+with open(result, "w") as f:
+    f.write(repr((values, sorted(lines))))
+"""
+
+
+@each_stream_path
+def test_ranks_started_without_stdout_and_stderr_connect_their_streams(streams, tmp_path):
+    """A process started with no stdout and stderr gives its workers none: Python makes
+    ``sys.stdout`` None there. Such ranks still connect their streams, and print (a spare
+    spawned while pytest captured the kernel's output under Wine exited with code 1 when it
+    became a rank, saying nothing: ``sys.stderr.flush()`` on None)."""
+    import subprocess
+    import sys
+
+    result = tmp_path / "result.txt"
+    proc = subprocess.run([sys.executable, "-c", WITHOUT_STD_FDS, str(result), "spawn",
+                           repr(streams)], timeout=90, stdin=subprocess.DEVNULL)
+    assert proc.returncode == 0 and result.exists()
+    values, lines = eval(result.read_text())
+    assert values == [0, 10]
+    assert [(r, s, t.strip()) for r, s, t in lines] == [
+        (0, "stdout", "hello from 0"), (1, "stdout", "hello from 1")]
