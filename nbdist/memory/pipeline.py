@@ -71,7 +71,9 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
             peak = _acc._stop_peak(device, prof, live)
     params, grads, state = _acc._walk(local, pipe.optimizer)
     ignore = set(base) | set(params) | set(grads) | set(state) | {_acc._key(x), _acc._key(y)}
-    other = sum(v for k, v in _acc._gc_storages().items() if k not in ignore)
+    others = {k: v for k, v in _acc._gc_storages().items() if k not in ignore}
+    other = sum(others.values())
+    notes = [f"other: {', '.join(_acc._owners(set(others)))}"] if other else []  # who holds it
     held = "; ".join(f"stage {s}: " + (f"layer {first}" if last == first else
                                         f"layers {first}-{last}")
                      for s in pipe.stages for first, last in [(pipe.bounds[s][0],
@@ -88,7 +90,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
                 device=str(device), num_params=num_params, params=sum(params.values()),
                 grads=sum(grads.values()), optimizer=sum(state.values()), other=other,
                 in_flight=None, peak=peak if (cuda or profile) else None, rss=rss,
-                rss_base=rss_base, notes=[], local_params=local_params, layers=held,
+                rss_base=rss_base, notes=notes, local_params=local_params, layers=held,
                 accuracy=dict(params="exact (this rank's stages)", grads="exact",
                               optimizer="exact",
                               other="exact for Python-visible tensors; C++-only buffers not seen",

@@ -59,9 +59,9 @@ class Group(Dispatch):
         debug: ``"detail"`` sets torch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` on the ranks before
             ``init_process_group``: every collective is checked against the other ranks', and a
             mismatch raises a :class:`RemoteError` naming each rank's call (op, shapes, dtype);
-            small collectives cost about 3x. On torch 2.13 with gloo, a DDP model's backward
-            crashes every rank (SIGSEGV) in this mode. ``"off"`` (the default); ``True`` and
-            ``False`` mean the same.
+            a store round trip per collective (a small step ran 2.4x slower). On torch 2.13
+            with gloo, a DDP model's backward crashes every rank (SIGSEGV) in this mode.
+            ``"off"`` (the default); ``True`` and ``False`` mean the same.
         grace: seconds a rank gets to react to SIGINT before it is killed.
         auto_restart: restart the group by itself after a failure that broke it.
         output: ``sink(rank, stream, text)`` receiving every line of the ranks' output, in order,

