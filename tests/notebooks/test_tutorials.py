@@ -412,10 +412,14 @@ def test_zero_three_ways(tmp_path):
     # "the call count alone does not settle the time": the pairs that show it, from the table
     pairs = re.findall(r"^  (\w+) \((\d+) calls, ([\d.]+) ms\) against (\w+) \((\d+) calls, "
                        r"([\d.]+) ms\)", out[6], re.M)
-    expected = {(a, b) for names_ in groups.values() for a in names_ for b in names_
-                if calls[a] < calls[b] and step[a] > step[b]}
-    assert {(a, b) for a, _, _, b, _, _ in pairs} == expected, out[6]
-    assert f"fewer calls, yet a slower step (same stage): {len(expected)} pairs" in out[6]
+    # the table rounds to 0.01 ms: two steps equal there may still differ (either way) unrounded
+    slower = {(a, b) for names_ in groups.values() for a in names_ for b in names_
+              if calls[a] < calls[b] and step[a] > step[b]}
+    tied = {(a, b) for names_ in groups.values() for a in names_ for b in names_
+            if calls[a] < calls[b] and step[a] == step[b]}
+    listed = {(a, b) for a, _, _, b, _, _ in pairs}
+    assert slower <= listed <= slower | tied, out[6]
+    assert f"fewer calls, yet a slower step (same stage): {len(listed)} pairs" in out[6]
     # one unit for every size in the memory table, as the text says; the plot's axis in it
     units = {re.search(r"\((\w+)\)$", h).group(1) for h in table if re.search(r"\(\w*B\)$", h)}
     assert len(units) == 1, table.keys()
@@ -451,7 +455,14 @@ def test_beyond_data_parallel(tmp_path):
         listed = [int(x) for r in ranks for x in (range(int(r.split("-")[0]), int(
             r.split("-")[1]) + 1) if "-" in r else [r])]
         assert sorted(listed) == [0, 1, 2, 3], (name, mem_rows)
-    assert ["ddp", "0-3"] in mem_rows and ["tp", "0-3"] in mem_rows, mem_rows  # replicas
+    # replicas: the same model state on every rank (params .. replicated); the other and
+    # in-flight bytes of one rank may differ on some runs (a buffer alive at that moment)
+    state = {}
+    for line in memory.split("\n-", 1)[1].splitlines()[1:]:
+        cells = line.split()
+        if len(cells) > 2 and re.fullmatch(r"\d+(-\d+)?", cells[1]):
+            state.setdefault(cells[0], set()).add(tuple(cells[2:9]))
+    assert len(state["ddp"]) == 1 and len(state["tp"]) == 1, memory
     assert "Ψ_s/(dp·tp) + Ψ_r/dp" in memory and "Ψ_s/tp + Ψ_r" in memory
     assert "PP: the stage's layers" in memory
     # under pp the in-flight bytes are not measured: "-" and a note, not a 0 next to the
