@@ -46,8 +46,8 @@ def summarize(op: str, results: Sequence[Dict[str, Any]], **meta) -> Dict[str, A
     time / iters, what nccl-tests divides by) is kept for reference; it includes those spikes.
     ``spiked`` is the share of iterations slower than ``NOISY_SPREAD * p10_s``; ``noisy`` is
     True when ``p90_s > NOISY_SPREAD * p10_s`` (more than a tenth spiked): the iterations
-    disagree, so the point is worth measuring again. ``meta`` supplies world_size, backend, device, dtype, iters,
-    warmup.
+    disagree, so the point is worth measuring again. ``meta`` supplies world_size, backend,
+    device, dtype, iters, warmup.
     """
     first = results[0]
     rec = _empty_record(op, first["bytes"], first["count"], meta)

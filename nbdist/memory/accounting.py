@@ -126,6 +126,13 @@ def _alive(snapshot: Dict[tuple, Any]) -> set:
     return {k for k, ref in snapshot.items() if not ref.expired()}
 
 
+def other_note(others: Dict[tuple, int]) -> List[str]:
+    """``["other: <holders>"]`` for the storages ``others`` (key -> bytes) where gc finds who
+    holds them (:func:`_owners`); ``[]`` where it finds nobody."""
+    holders = _owners(set(others)) if others else []
+    return [f"other: {', '.join(holders)}"] if holders else []
+
+
 def _owners(keys: set, limit: int = 3) -> List[str]:
     """Where the largest Python-visible tensors among ``keys`` are held, e.g.
     ``"DeviceMesh.mesh (8 B)"``: the attribute of the object that references each."""
@@ -226,7 +233,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
     other = sum(others.values())
     notes = _rank_notes(model, grads) + _deepspeed_notes(opt, precision, sum(grads.values()))
     if 0 < other < 1024:  # a few bytes: name them, or the column reads as noise
-        notes.append(f"other: {', '.join(_owners(set(others)))}")
+        notes += other_note(others)
     from .sharding import MESHED, split_on_rank
 
     split = split_on_rank(model, opt, name) if name in MESHED else None

@@ -73,8 +73,7 @@ def measure_on_rank(model_fn, name: str, optimizer: str, steps: int, batch: int,
     ignore = set(base) | set(params) | set(grads) | set(state) | {_acc._key(x), _acc._key(y)}
     others = {k: v for k, v in _acc._gc_storages().items() if k not in ignore}
     other = sum(others.values())
-    holders = _acc._owners(set(others)) if other else []  # who holds it, where gc sees it
-    notes = [f"other: {', '.join(holders)}"] if holders else []
+    notes = _acc.other_note(others)  # who holds it, where gc sees it
     held = "; ".join(f"stage {s}: " + (f"layer {first}" if last == first else
                                         f"layers {first}-{last}")
                      for s in pipe.stages for first, last in [(pipe.bounds[s][0],

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from typing import Iterable, List, Optional, Sequence, Union
+from typing import Iterable, List, Optional, Sequence, Tuple, Union
 
 KiB, MiB, GiB = 1 << 10, 1 << 20, 1 << 30
 _UNITS = {"": 1, "B": 1, "K": KiB, "KB": KiB, "KIB": KiB, "M": MiB, "MB": MiB, "MIB": MiB,
@@ -167,15 +167,19 @@ TIME_SUFFIXES = (("_ms", 1e-3), ("_us", 1e-6), ("_ns", 1e-9), ("_s", 1.0))
 tables, reprs and plots show it in the unit that suits its values."""
 
 
+def _time_suffix(name: str) -> Tuple[str, Optional[float]]:
+    """The time suffix of scalar ``name`` and seconds in its unit (``("", None)``: not a time)."""
+    return next(((suffix, scale) for suffix, scale in TIME_SUFFIXES
+                 if name.endswith(suffix) and len(name) > len(suffix)), ("", None))
+
+
 def bare_name(name: str) -> str:
     """Scalar ``name`` without the unit suffix of a time (``data_ms`` -> ``data``): what
     tables and reprs call a time they show in another unit than its name's."""
-    suffix = next((s for s, _ in TIME_SUFFIXES if name.endswith(s) and len(name) > len(s)), "")
-    return name[:len(name) - len(suffix)]
+    return name[:len(name) - len(_time_suffix(name)[0])]
 
 
 def seconds_per_unit(name: str) -> Optional[float]:
     """Seconds in one unit of scalar ``name``, from its suffix (``step_s``: 1, ``data_ms``: 1e-3);
     ``None`` where the name says it is not a time."""
-    return next((scale for suffix, scale in TIME_SUFFIXES
-                 if name.endswith(suffix) and len(name) > len(suffix)), None)
+    return _time_suffix(name)[1]
