@@ -1,6 +1,6 @@
 """Sphinx configuration for the nbdist site (Sphinx + myst-nb + furo), buildable offline.
 
-    bash scripts/build-docs.sh            # -> docs/_build/html (what CI's docs test does, in a tmp dir)
+    bash scripts/build-docs.sh            # -> docs/_build/html
     sphinx-build -W -b html docs docs/_build/html
 
 Tutorials: ``docs/tutorials`` is a symlink to ``notebooks/``, so every ``notebooks/*.ipynb`` is a page
@@ -8,6 +8,8 @@ Tutorials: ``docs/tutorials`` is a symlink to ``notebooks/``, so every ``noteboo
 per build (``nb_execution_mode = "force"``) in a temporary directory, so the site shows them executed.
 A cell that fails stops the build, except cells tagged ``raises-exception``. ``NBDIST_DOCS_EXECUTE``
 overrides the mode (``cache`` re-executes only changed notebooks, ``off`` renders them unexecuted).
+CI's docs test (tests/docs/test_docs.py) builds the same site in a temporary directory with ``off``,
+from the tutorials as the test session executed them (nbclient, as myst-nb uses): each runs once.
 
 Widgets: the executed notebooks keep their widget state; the page loads RequireJS and
 ``@jupyter-widgets/html-manager`` from ``_static/widgets/`` (fetched once with ``npm pack`` into

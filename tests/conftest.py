@@ -153,3 +153,38 @@ def cpu_only_torch(monkeypatch):
     for name in ("is_nccl_available", "is_mpi_available", "is_ucc_available",
                  "is_xccl_available"):
         monkeypatch.setattr(dist, name, lambda: False, raising=False)
+
+
+#: The tutorials, run by tests/notebooks/test_tutorials.py and rendered by tests/docs/test_docs.py.
+NOTEBOOKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+
+
+@pytest.fixture(scope="session")
+def tutorial_runs(tmp_path_factory):
+    """``run(name)``: the tutorial ``notebooks/<name>`` executed top to bottom in a fresh kernel
+    (nbclient, widget state kept, its own working directory), once per session. The tutorial tests
+    check its outputs and the docs build renders the same executed copy, so each tutorial runs
+    once, not twice. A tutorial that failed raises its error again for every test that asks."""
+    import copy
+
+    import nbformat
+    from nbclient import NotebookClient
+
+    runs = {}
+
+    def run(name):
+        if name not in runs:
+            nb = nbformat.read(os.path.join(NOTEBOOKS, name), as_version=4)
+            cwd = tmp_path_factory.mktemp(name.split(".")[0])
+            try:
+                NotebookClient(nb, timeout=240, kernel_name="python3", store_widget_state=True,
+                               resources={"metadata": {"path": str(cwd)}}).execute()
+                runs[name] = nb
+            except Exception as exc:  # kept, so the next test asking gets the same failure
+                runs[name] = exc
+        result = runs[name]
+        if isinstance(result, Exception):
+            raise RuntimeError(f"tutorial {name} failed when the session ran it") from result
+        return copy.deepcopy(result)
+
+    return run

@@ -1,9 +1,11 @@
 """The documentation site, the conda environment file and the Binder image definition.
 
 The site is built once per module with ``sphinx-build -W`` (warnings are errors) into a temporary
-directory, exactly as ``scripts/build-docs.sh`` does: myst-nb executes every ``notebooks/*.ipynb``
-once during the build (``nb_execution_mode="force"``), so the tutorial pages must show outputs.
-About a minute on 2 cores (most of it running the tutorials).
+directory, as ``scripts/build-docs.sh`` does, with one difference: ``scripts/build-docs.sh`` has
+myst-nb execute every tutorial during the build, while here the build renders the tutorials as the
+session executed them once (``tutorial_runs`` in tests/conftest.py: nbclient, as myst-nb uses), so
+the suite does not run each tutorial twice; the tutorial pages must show outputs. About three
+minutes on 2 cores when this module asks first (running the tutorials), ten seconds after.
 
 Binder is checked with ``repo2docker --no-build``, which prints the Dockerfile without Docker.
 ``environment.yml`` can only be checked for structure: conda cannot solve environments here.
@@ -43,15 +45,39 @@ def _run_group(cmd, timeout, **kwargs):
     return proc.returncode, out
 
 
+def _stage(tmp, tutorial_runs):
+    """A source tree for the build: docs/'s pages copied, ``tutorials/`` holding each tutorial as
+    the session executed it (``tutorial_runs``). conf.py and ``_static`` are links: conf.py resolves
+    its own path, so it still finds the checkout and the widget JavaScript cache. The pages are
+    copies because MyST resolves a link from a linked page against the page's real folder."""
+    import nbformat
+
+    src = tmp / "docs"
+    src.mkdir()
+    for entry in DOCS.iterdir():
+        if entry.suffix == ".md":
+            shutil.copy(entry, src / entry.name)
+        elif entry.name not in ("tutorials", "_build"):
+            (src / entry.name).symlink_to(entry)
+    (src / "tutorials").mkdir()
+    for nb in NOTEBOOKS:
+        if nb.name in UNEXECUTED:  # shown as stored (conf.py does not execute it either)
+            shutil.copy(nb, src / "tutorials" / nb.name)
+        else:
+            nbformat.write(tutorial_runs(nb.name), src / "tutorials" / nb.name)
+    return src
+
+
 @pytest.fixture(scope="module")
-def site(tmp_path_factory):
+def site(tmp_path_factory, tutorial_runs):
     """Build the site once; return (output directory, build log)."""
     for mod in ("sphinx", "myst_nb", "furo"):
         pytest.importorskip(mod, reason="the docs extra is not installed")
-    out = tmp_path_factory.mktemp("site") / "html"
-    env = dict(os.environ, NBDIST_DOCS_EXECUTE="force", PYTHONUNBUFFERED="1")
+    tmp = tmp_path_factory.mktemp("site")
+    src, out = _stage(tmp, tutorial_runs), tmp / "html"
+    env = dict(os.environ, NBDIST_DOCS_EXECUTE="off", PYTHONUNBUFFERED="1")
     rc, log = _run_group([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-b", "html",
-                          str(DOCS), str(out)], BUILD_TIMEOUT, cwd=ROOT, env=env)
+                          str(src), str(out)], BUILD_TIMEOUT, cwd=ROOT, env=env)
     (out.parent / "build.log").write_text(log)
     assert rc == 0, f"sphinx-build -W failed (rc={rc}); log in {out.parent / 'build.log'}:\n" \
                     f"{log[-8000:]}"

@@ -6,7 +6,6 @@ import re
 
 import nbformat
 import pytest
-from nbclient import NotebookClient
 
 NOTEBOOKS = pathlib.Path(__file__).resolve().parents[2] / "notebooks"
 pytestmark = pytest.mark.timeout(300)
@@ -24,10 +23,10 @@ def _text(cell):
     return "".join(parts)
 
 
-def run_notebook(name, tmp_path):
-    nb = nbformat.read(NOTEBOOKS / name, as_version=4)
-    NotebookClient(nb, timeout=240, kernel_name="python3", store_widget_state=True,
-                   resources={"metadata": {"path": str(tmp_path)}}).execute()
+def run_notebook(name, runs):
+    """The tutorial as the session executed it (``tutorial_runs``, tests/conftest.py), and the text
+    of each code cell's outputs."""
+    nb = runs(name)
     stderr = [o["text"] for c in nb.cells if c.cell_type == "code" for o in c.outputs
               if o.get("output_type") == "stream" and o.get("name") == "stderr"]
     assert not [t for t in stderr if "nbdist: torch uses" in t], \
@@ -57,10 +56,10 @@ def test_notebooks_are_stored_without_outputs(path):
             assert not cell.outputs and cell.execution_count is None, f"{path.name} has outputs"
 
 
-def test_quickstart(tmp_path):
+def test_quickstart(tutorial_runs):
     """all_reduce sums over the ranks, all_gather concatenates in rank order, an error on one
     rank names that rank only and the group stays usable."""
-    nb, out = run_notebook("01_quickstart.ipynb", tmp_path)
+    nb, out = run_notebook("01_quickstart.ipynb", tutorial_runs)
     text = "\n".join(out)
     assert "[rank 0] before all_reduce: [1.0, 1.0, 1.0]" in out[2]
     assert "[rank 1] before all_reduce: [2.0, 2.0, 2.0]" in out[2]
@@ -80,12 +79,12 @@ def test_quickstart(tmp_path):
     assert "group stopped" in text and not _stderr(nb)
 
 
-def test_backends(tmp_path):
+def test_backends(tutorial_runs):
     """auto picks gloo on CPU, bad backends are refused before a process starts, a custom
     backend and nbdist_shm reduce correctly; the speed comparison prints its evidence (the
     load, one unit per column, the ratios). Which backend is faster is not asserted: on a shared
     2-core machine the ratio at 4 MiB has come out at 0.17 and at 1.41."""
-    nb, out = run_notebook("02_backends.ipynb", tmp_path)
+    nb, out = run_notebook("02_backends.ipynb", tutorial_runs)
     assert "+ gloo       available" in out[0] and "+ nbdist_shm available" in out[0]
     assert "auto picks gloo for cpu" in out[0]
     assert "nccl: backend 'nccl' cannot be used" in out[1] and "use backend='gloo'" in out[1]
@@ -105,9 +104,9 @@ def test_backends(tmp_path):
     assert not _stderr(nb)
 
 
-def test_failures(tmp_path):
+def test_failures(tutorial_runs):
     """Each failure is reported by rank, fast, with what to do; the group comes back."""
-    nb, out = run_notebook("06_failures.ipynb", tmp_path)
+    nb, out = run_notebook("06_failures.ipynb", tutorial_runs)
     assert "ranks [1]" in out[1] and "ZeroDivisionError on rank 1: division by zero" in out[1]
     assert "rank 1 exited with code 3." in out[2] and "call restart()" in out[2]
     # "at once, not after a collective timeout": the group's timeout is 20 s
@@ -132,10 +131,10 @@ def test_failures(tmp_path):
     assert out[8].rstrip().endswith("broken -> [0, 1] -> ready"), out[8]
 
 
-def test_widgets(tmp_path):
+def test_widgets(tutorial_runs):
     """The panels drive the public API on the current group: the launcher's group is the one
     code uses (with its strategy on the ranks), and Run measures and draws."""
-    nb, out = run_notebook("07_widgets.ipynb", tmp_path)
+    nb, out = run_notebook("07_widgets.ipynb", tutorial_runs)
     assert "['gloo', 'nbdist_shm', 'nbstore']" in out[0]
     assert "rank 0: backend gloo, strategy ddp" in out[2] and "rank 1: backend gloo" in out[2]
     assert "14 points on gloo, 2 ranks" in out[3]  # 2 ops x 7 sizes from 4 KiB to 256 KiB
@@ -178,8 +177,8 @@ def _sweep_rows(text):
     return heads, rows, lines[start + 2 + len(rows):]
 
 
-def test_collectives(tmp_path):
-    nb, out = run_notebook("03_collectives.ipynb", tmp_path)
+def test_collectives(tutorial_runs):
+    nb, out = run_notebook("03_collectives.ipynb", tutorial_runs)
     code = [c for c in nb.cells if c.cell_type == "code"]
     text = "\n".join(out)
     # One statistic throughout: the table's bandwidth is its size / its median time.
@@ -276,8 +275,8 @@ def notes(text):
     return under
 
 
-def test_memory(tmp_path):
-    nb, out = run_notebook("04_memory.ipynb", tmp_path)
+def test_memory(tutorial_runs):
+    nb, out = run_notebook("04_memory.ipynb", tutorial_runs)
     text = "\n".join(out)
     for name in ("ddp", "zero1", "fsdp_grad_op", "fsdp2", "fairscale_oss", "fairscale_sharded"):
         assert name in text
@@ -303,11 +302,11 @@ def test_memory(tmp_path):
     assert "120.0 GB" in text and "31.4 GB" in text and "16.6 GB" in text and "1.9 GB" in text
 
 
-def test_lightning(tmp_path):
+def test_lightning(tutorial_runs):
     """A Trainer runs inside the ranks on their group: the data is split between them, rank 0's
     weights come back trained, strategy and backend switch, and the guards refuse what would
     start processes or split the data silently."""
-    nb, out = run_notebook("05_lightning.ipynb", tmp_path)
+    nb, out = run_notebook("05_lightning.ipynb", tutorial_runs)
     text = "\n".join(out)
     assert "(0, 'gloo', 12" in out[3] and "(1, 'gloo', 12" in out[3]  # 3 epochs x 32/8 batches
     assert "Epoch 2/2" in out[3]  # the text explains Lightning's count from 0
@@ -331,12 +330,12 @@ def test_lightning(tmp_path):
     assert "fit` stopped" in text and "fit` stopped" not in stderr
 
 
-def test_watch_live(tmp_path):
+def test_watch_live(tutorial_runs):
     import base64
     import re
     import struct
 
-    nb, out = run_notebook("08_watch_live.ipynb", tmp_path)
+    nb, out = run_notebook("08_watch_live.ipynb", tutorial_runs)
     code = [c for c in nb.cells if c.cell_type == "code"]
     # the cell returned at once, showing the job; %dist_watch and %dist_wait sent that display
     # again when it ended (issue 35: "running, 0.0 s" stayed in the saved page)
@@ -368,10 +367,10 @@ def test_watch_live(tmp_path):
     assert ratio > 1.5, summary  # "well over rank 1's own"; the figure says so from 1.5x
 
 
-def test_zero_three_ways(tmp_path):
+def test_zero_three_ways(tutorial_runs):
     pytest.importorskip("deepspeed")
     pytest.importorskip("fairscale")
-    nb, out = run_notebook("09_zero_three_ways.ipynb", tmp_path)
+    nb, out = run_notebook("09_zero_three_ways.ipynb", tutorial_runs)
     names = ("zero1", "fairscale_oss", "deepspeed_zero1", "fsdp_grad_op", "fairscale_sharded",
              "deepspeed_zero2", "fsdp", "deepspeed_zero3")
     assert "263,168 parameters on 2 ranks" in out[0]
@@ -431,8 +430,8 @@ def test_zero_three_ways(tmp_path):
     assert any("image/png" in k for k in kinds)  # the memory plot
 
 
-def test_beyond_data_parallel(tmp_path):
-    nb, out = run_notebook("10_beyond_data_parallel.ipynb", tmp_path)
+def test_beyond_data_parallel(tutorial_runs):
+    nb, out = run_notebook("10_beyond_data_parallel.ipynb", tutorial_runs)
     code = [c for c in nb.cells if c.cell_type == "code"]
     assert "8,996 parameters on 4 ranks" in out[0]
     assert "groups along dp: [0, 2] [1, 3]" in out[1] and "groups along tp: [0, 1] [2, 3]" in out[1]
@@ -527,10 +526,10 @@ def test_beyond_data_parallel(tmp_path):
                                                   float(extra["1F1B"])), verdict
 
 
-def test_when_a_rank_hangs(tmp_path):
+def test_when_a_rank_hangs(tutorial_runs):
     """Issue 27's tutorial: the wrong collective, a stuck loader, a NaN, each found from the
     notebook; the sentences of its text rest on these outputs."""
-    nb, out = run_notebook("11_when_a_rank_hangs.ipynb", tmp_path)
+    nb, out = run_notebook("11_when_a_rank_hangs.ipynb", tutorial_runs)
     text = "\n".join(out)
     assert "mismatched collectives: rank 0 is in all_reduce #4 (1 float32); rank 1 is in " \
            "broadcast #4 (1 float32)." in text

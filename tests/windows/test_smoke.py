@@ -7,6 +7,7 @@ One group serves the module (a start under Wine takes 20-35 s: every rank import
 tests leave it usable, and the one that kills a rank restarts it.
 """
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -49,8 +50,12 @@ def test_exec_all_reduce_output_push_pull_and_a_remote_error(g):
 
 
 def test_interrupt_and_timeout_stop_the_ranks_and_keep_the_group(g):
-    # The kernel's interrupt on Windows: ipykernel calls _thread.interrupt_main().
-    timer = threading.Timer(2.0, _thread.interrupt_main)
+    # The kernel's interrupt: on Windows ipykernel calls _thread.interrupt_main(); elsewhere it
+    # sends SIGINT, which also wakes a blocked wait (interrupt_main alone only sets Python's flag,
+    # seen when the call ends: 60 s later here on Linux)
+    main = threading.get_ident()
+    timer = threading.Timer(2.0, _thread.interrupt_main if WINDOWS else
+                            lambda: signal.pthread_kill(main, signal.SIGINT))
     timer.start()
     try:
         with pytest.raises(nbdist.GroupInterrupted, match="stopped on SIGINT; the group is "
