@@ -27,9 +27,9 @@ class MemoryRecord:
     process gained, after the step; ``in_flight``: the same between forward and backward
     (activations included; ``None`` where not measured: under ``"pp"``). ``peak``: during the
     last step (``None`` when not measured). ``rss``, ``rss_base``: process RSS after and before
-    the run. ``estimate``/``formula``: the ZeRO figure
-    for ``model_state`` (for ``"pp"``: the stage's layers, ``local_params`` of them, which
-    ``layers`` names); ``notes``: why they differ, where they do.
+    the run. ``estimate``/``formula``: the ZeRO figure for ``model_state`` (for ``"pp"``: the
+    stage's layers, ``local_params`` of them, which ``layers`` names); ``notes``: why they
+    differ, where they do.
     """
 
     strategy: str
