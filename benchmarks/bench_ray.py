@@ -8,7 +8,9 @@ small object stores) and measures, side by side:
 
 1. start to first result: ``nbdist.start(2, on="ray", num_cpus=0.5)`` called -> the first training
    step's loss (DDP on a small MLP, gloo), against ``TorchTrainer(...).fit()`` of the same step
-   (2 workers, 0.5 CPU each) called -> its result (goal: nbdist >= 10x sooner);
+   (2 workers, 0.5 CPU each) called -> its result (goal: nbdist >= 10x sooner); and, as the floor
+   any launcher pays on this machine, the same on a local ``nbdist.start(2)`` (no Ray at all: the
+   ranks' own start, torch, gloo and DDP's first wrap);
 2. re-running the training cell: ``g.run(step)`` on the persistent ranks, against a second
    ``fit()`` (Ray Train rebuilds its workers for every fit) (goal: >= 1000x);
 3. a trivial call, ``g.run(noop)``, on the Ray group and on a local ``nbdist.start(2)`` group alive
@@ -103,11 +105,20 @@ def run(cfg, tmp):
 
     import nbdist
 
-    out = {"nbdist_first_s": [], "train_first_s": [], "train_rerun_s": []}
+    out = {"nbdist_first_s": [], "train_first_s": [], "train_rerun_s": [], "local_first_s": [],
+           "nbdist_start_s": [], "local_start_s": []}
+    for i in range(cfg["reps"]):  # the floor: no Ray at all, the same two ranks and step
+        t0 = time.perf_counter()
+        with nbdist.start(2) as local:
+            out["local_start_s"].append(time.perf_counter() - t0)
+            local.run(nbdist_step)
+            out["local_first_s"].append(time.perf_counter() - t0)
+        harness.log(f"local group: start to first step {out['local_first_s'][-1]:.2f} s")
     g = None
     for i in range(cfg["reps"]):
         t0 = time.perf_counter()
         g = nbdist.start(2, on="ray", num_cpus=CPU, timeout=60, progress=False)
+        out["nbdist_start_s"].append(time.perf_counter() - t0)
         g.run(nbdist_step)
         out["nbdist_first_s"].append(time.perf_counter() - t0)
         harness.log(f"nbdist: start to first step {out['nbdist_first_s'][-1]:.2f} s")
@@ -139,9 +150,11 @@ def run(cfg, tmp):
         train_rss.append(sizes)
         harness.log(f"Ray Train fit {i}: {took:.2f} s")
     out["memory"]["ray_train_worker"] = train_rss
-    for k in ("nbdist_first_s", "train_first_s", "train_rerun_s"):
+    for k in ("nbdist_first_s", "train_first_s", "train_rerun_s", "local_first_s",
+              "nbdist_start_s", "local_start_s"):
         out[k[:-2]] = harness.summary(out.pop(k))
     out["first_ratio"] = harness.ratio(out["train_first"], out["nbdist_first"])
+    out["floor_ratio"] = harness.ratio(out["train_first"], out["local_first"])
     out["rerun_ratio"] = harness.ratio(out["train_rerun"], out["nbdist_rerun"])
     return out
 
@@ -173,6 +186,10 @@ def main(argv=None):
     print(f"start to first step: nbdist {harness.fmt(res['nbdist_first']['median'])}, Ray "
           f"Train fit {harness.fmt(res['train_first']['median'])}: {res['first_ratio']:.1f}x "
           "(goal >= 10x)")
+    print(f"  of which nbdist.start(on='ray') {harness.fmt(res['nbdist_start']['median'])}; the "
+          f"same on a local group (no Ray): start {harness.fmt(res['local_start']['median'])}, "
+          f"first step {harness.fmt(res['local_first']['median'])}, {res['floor_ratio']:.1f}x Ray "
+          "Train's: nbdist's ratio with no Ray overhead at all")
     print(f"re-run the training cell: nbdist {harness.fmt_summary(res['nbdist_rerun'])}, Ray Train "
           f"fit {harness.fmt(res['train_rerun']['median'])}: {res['rerun_ratio']:.0f}x "
           "(goal >= 1000x)")

@@ -1,5 +1,6 @@
 """A real two-node Ray cluster on this machine for tests/integration/test_engine_ray.py:
-``ray.cluster_utils.Cluster`` with a head and a second node, one CPU each, small object stores.
+``ray.cluster_utils.Cluster`` with a head and a second node, one CPU each, small object stores;
+the head serves the Ray Client (``ray://127.0.0.1:<client_port>``).
 
 Both nodes share this machine's address, so ranks are told apart by Ray node id. The cluster's
 processes are this test process's children; :meth:`LocalRay.stop` ends them all and checks that
@@ -37,8 +38,10 @@ class LocalRay:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.cluster = None
         try:
+            self.client_port = _free_port()  # the head serves the Ray Client there
             self.cluster = Cluster(initialize_head=True, head_node_args={
-                "num_cpus": 1, "object_store_memory": STORE})
+                "num_cpus": 1, "object_store_memory": STORE,
+                "ray_client_server_port": self.client_port})
             self.second = self.cluster.add_node(num_cpus=1, object_store_memory=STORE)
             self.address = self.cluster.address
             ray.init(address=self.address, logging_level="WARNING", log_to_driver=False)
@@ -74,6 +77,14 @@ class LocalRay:
             except psutil.Error:
                 pass
         assert not left, f"Ray left processes behind: {left}"
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def _helpers() -> set:

@@ -6,7 +6,8 @@ One group (two ranks, STRICT_SPREAD: one per node) serves the feature tests -- t
 every group, so ``%%dist``, a background job, stacks, the collective benchmark and a Lightning fit
 work on it. Other tests ask for too much (refused in bounded time, nothing left placed) and play a
 kernel in a subprocess that exits or is SIGKILLed (Ray's state API then shows none of its actors
-or placement groups), and one whose group has ``keep_alive``: reattached with its variables, or
+or placement groups), a kernel connected only as a Ray Client (``ray://``, served by the head),
+and one whose group has ``keep_alive``: reattached with its variables, or
 left until keep_alive passes (then nothing is left either). The last test removes the second node under the shared group: a
 ``RankDiedError`` naming the rank and the Ray node."""
 import os
@@ -206,6 +207,50 @@ def test_a_kernel_that_exits_or_is_killed_leaves_no_actor_and_no_placement_group
         kernel.kill()
         kernel.wait()
         kernel.stderr.close()
+    assert g.run(lambda: 1) == [1, 1]  # the shared group was not touched
+
+
+CLIENT = textwrap.dedent("""
+    import os, sys
+    import ray, nbdist
+    g = nbdist.start(2, on="ray", address=sys.argv[1], num_cpus=0.1, placement="STRICT_SPREAD",
+                     timeout=30, progress=False)
+    assert ray.util.client.ray.is_connected()  # the kernel is a Ray Client, not a driver
+    print("nodes", len({p["node_id"] for p in g._launcher.places}))
+    print("sum", g.exec("t = torch.ones(1) * (rank + 1); dist.all_reduce(t); t.item()"))
+    print("stacks", "no answer" not in str(g.stacks(timeout=10)))
+    print("job", ray.get_runtime_context().get_job_id(), flush=True)
+    sys.stdin.readline()  # the test has seen the actors
+    g.stop()
+    print("connected_after_stop", ray.is_initialized())
+""")
+
+
+def test_a_kernel_on_the_ray_client_starts_a_group_and_its_stop_leaves_nothing(cluster, g):
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", CLIENT, f"ray://127.0.0.1:{cluster.client_port}"],
+        env=dict(os.environ, **cluster_env()), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        said = {}
+        for line in kernel.stdout:  # ends with the job line, or at EOF if the kernel failed
+            said.update([line.strip().split(" ", 1)] if " " in line else [])
+            if "job" in said:
+                break
+        assert "job" in said, kernel.stderr.read()[-3000:]
+        assert said["nodes"] == "2" and said["sum"] == "[3.0, 3.0]" and said["stacks"] == "True"
+        actors, groups = live(said["job"])
+        assert (len(actors), len(groups)) == (2, 1)  # Ray's state API sees the client's group
+        out, err = kernel.communicate("go\n", timeout=120)
+        assert kernel.returncode == 0, err[-3000:]
+        assert "connected_after_stop False" in out  # nbdist connected, so nbdist disconnected
+    finally:
+        kernel.kill()
+        kernel.wait()
+    deadline = time.monotonic() + 60
+    while live(said["job"]) != ([], []):
+        assert time.monotonic() < deadline, f"left behind: {live(said['job'])}"
+        time.sleep(0.5)
     assert g.run(lambda: 1) == [1, 1]  # the shared group was not touched
 
 
