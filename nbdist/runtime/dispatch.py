@@ -160,6 +160,7 @@ class Dispatch:
             self._teardown()
 
     def _call(self, req: requests.Request, ranks, timeout) -> List[Any]:
+        answered = False  # every target rank answered: they are done with the request's segments
         try:
             with self._lock:
                 call = self._begin(req, ranks, timeout)
@@ -167,11 +168,13 @@ class Dispatch:
                     self._send(call)
                     with self._rs.lock:
                         call.wait(self._rs)  # at once if the send was interrupted
-                    return self._end(call)
+                    results = self._end(call)
+                    answered = True
+                    return results
                 finally:
                     self._leave(call)
         finally:
-            segments.remove_segments(req.segments)
+            segments.let_go(req.segments, answered)
 
     def _submit(self, req: requests.Request, ranks, timeout, name: str) -> Job:
         with self._lock:
@@ -207,6 +210,7 @@ class Dispatch:
     def _finish_job(self, call: Call, rs, req: requests.Request, name: str) -> List[Any]:
         """(A job's thread.) Wait for the ranks without the lock, then settle as a call would --
         unless the group was stopped or restarted meanwhile: those ranks are gone."""
+        answered = False
         try:
             lost = None
             try:
@@ -226,7 +230,9 @@ class Dispatch:
                 if lost is not None:
                     self._teardown()
                     raise lost
-                return self._end(call)
+                results = self._end(call)
+                answered = True
+                return results
         finally:
             call.pauses.end()  # nobody can attach any more
-            segments.remove_segments(req.segments)
+            segments.let_go(req.segments, answered)

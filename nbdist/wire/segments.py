@@ -69,6 +69,17 @@ def remove_segments(paths) -> None:
             pass
 
 
+def let_go(paths, answered: bool) -> None:
+    """A request's segments, once its call is over: removed -- except on Windows after every
+    target rank answered (``answered``), where each rank has copied its tensors out and closed its
+    view, so the mappings are kept for the next request's tensors of the same size
+    (:func:`nbdist.wire.mappings.spare`; they go with the group)."""
+    if mappings.NAMED and answered:
+        mappings.spare(paths)
+        return
+    remove_segments(paths)
+
+
 def write_all(fd: int, view: memoryview) -> None:
     """Write all of ``view`` to ``fd``. Into tmpfs, write() allocates pages in bulk: faster than
     faulting them in through an mmap, and one copy only."""

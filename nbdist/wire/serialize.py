@@ -57,8 +57,11 @@ def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool
     numel = 1
     for s in shape:
         numel *= s
-    if mappings.NAMED:  # Windows: a view of the sender's mapping (copy-on-write when private)
-        buf = mappings.open_existing(path, numel * dtype.itemsize, copy=private)
+    if mappings.NAMED and private:  # Windows: copied out, the view closed before anything runs
+        return _finish(torch, _copied_out(torch, path, dtype, shape, numel), requires_grad,
+                       is_param)
+    if mappings.NAMED:  # Windows: a view of the sender's mapping
+        buf = mappings.open_existing(path, numel * dtype.itemsize)
         tensor = torch.frombuffer(buf, dtype=dtype, count=numel).view(shape) if numel else \
             torch.empty(shape, dtype=dtype)
         return _finish(torch, tensor, requires_grad, is_param)
@@ -66,6 +69,22 @@ def _rebuild_tensor(path: str, dtype, shape, requires_grad: bool, is_param: bool
     if unlink:
         remove_segments([path])
     return _finish(torch, tensor, requires_grad, is_param)
+
+
+def _copied_out(torch, path: str, dtype, shape, numel: int):
+    """A tensor of its own with the bytes of the sender's mapping ``path``, whose view is closed
+    on return: the sender reuses the mapping once every receiver answered (:mod:`.mappings`)."""
+    tensor = torch.empty(shape, dtype=dtype)
+    if not numel:
+        return tensor
+    buf = mappings.open_existing(path, numel * dtype.itemsize)
+    try:
+        src = torch.frombuffer(buf, dtype=torch.uint8, count=numel * dtype.itemsize)
+        tensor.view(-1).view(torch.uint8).copy_(src)
+        del src  # the view exported to torch: gone before the close
+    finally:
+        buf.close()
+    return tensor
 
 
 # cloudpickle's reduction of a code object, which writes "<dynamic-code>" for its file name
@@ -132,10 +151,14 @@ class Pickler(cloudpickle.Pickler):
             return (rebuild_pooled, (path, nbytes, data.dtype, tuple(data.shape), requires_grad,
                                      is_param))
         path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
-        if mappings.NAMED:  # Windows: held here until every receiver answered (remove_segments)
+        if mappings.NAMED:  # Windows: held here until every receiver answered (segments.let_go)
+            nbytes = data.numel() * data.element_size()
+            got = mappings.reuse(self.prefix, nbytes) if self.private else None
+            if got is None:
+                got = path, mappings.create(path, nbytes)
+            path = got[0]
             self.created.append(path)
-            copy_into(mappings.create(path, data.numel() * data.element_size()),
-                      data.view(-1).view(torch.uint8), data.numel() * data.element_size())
+            copy_into(got[1], data.view(-1).view(torch.uint8), nbytes)
             return (_rebuild_tensor,
                     (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
                      self.unlink))
