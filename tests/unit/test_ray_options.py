@@ -77,3 +77,51 @@ def test_ranks_are_ordered_by_node_id_then_gpu_with_torchruns_variables():
     cpu = rank_layout([place("n"), place("n")])
     assert [o["env"]["CUDA_VISIBLE_DEVICES"] for o in cpu] == ["", ""]
     assert [o["rank"] for o in cpu] == [0, 1]  # same node, no GPU: bundle order
+
+
+class _FlakyRay:
+    """Ray's ``init``/``shutdown`` as the Ray Client answers when the cluster's client server
+    failed to start the session (ray-project/ray#63202) ``fails`` times: the error text is Ray's."""
+
+    def __init__(self, fails: int, text: str = "Starting Ray client server failed. See "
+                                                "ray_client_server_23001.err for detailed logs."):
+        self.fails, self.text, self.calls = fails, text, []
+
+    def init(self, address, **_):
+        self.calls.append(("init", address))
+        if self.fails:
+            self.fails -= 1
+            raise ConnectionAbortedError(f"Initialization failure from server:\n{self.text}")
+
+    def shutdown(self):
+        self.calls.append(("shutdown",))
+
+
+def test_the_ray_clients_server_race_is_tried_once_more_and_said(monkeypatch, caplog):
+    import logging
+
+    from nbdist.engines import ray_session
+    from nbdist.runtime import current
+
+    monkeypatch.setattr(current, "_notes_said", set())
+    caplog.set_level(logging.INFO, logger="nbdist")  # outside a kernel a note is a log record
+    ray = _FlakyRay(fails=1)
+    ray_session._init(ray, "ray://head:10001")
+    assert ray.calls == [("init", "ray://head:10001"), ("shutdown",), ("init", "ray://head:10001")]
+    assert ("nbdist: the Ray Client server at ray://head:10001 failed to start this kernel's "
+            "session (a known race in Ray: ray-project/ray#63202); trying once more.") in caplog.text
+    with pytest.raises(ConnectionAbortedError, match="Starting Ray client server failed"):
+        ray_session._init(_FlakyRay(fails=2), "ray://head:10001")  # once more, not forever
+
+
+@pytest.mark.parametrize("address, text", [
+    ("auto", "Starting Ray client server failed."),  # not the Ray Client: nothing to start again
+    ("ray://head:10001", "Connection refused"),  # another failure: said as it is
+])
+def test_other_ray_connection_failures_are_not_tried_again(address, text):
+    from nbdist.engines import ray_session
+
+    ray = _FlakyRay(fails=1, text=text)
+    with pytest.raises(ConnectionAbortedError):
+        ray_session._init(ray, address)
+    assert ray.calls == [("init", address)]
