@@ -19,9 +19,10 @@ Who holds what:
   until every rank has answered; each rank copies the bytes out into a tensor of its own and closes
   its view before it runs anything, so its tensor is its own. Once every rank answered, the caller
   keeps the mapping for the next push of the same size (:func:`spare`, :func:`reuse`): writing into a
-  new mapping faults in every page (under Wine 200 ms for 100 MiB, against 7-10 ms into one
+  new mapping faults in every page (under Wine 200 ms for 100 MiB, against 6-10 ms into one
   written before), so a new mapping per push made the push 5-8x Linux's. A call that did not end
-  with every rank's answer lets its mappings go instead (:func:`release`): a rank may still read.
+  with every rank's answer and no error lets its mappings go instead (:func:`release`): a rank may
+  still read.
   The spares are the caller's alone, bounded by :data:`SPARE_BYTES`, and go with the group.
 
 Opening checks that the mapping exists and holds a handle while the view is made: a mapping whose

@@ -71,8 +71,8 @@ def remove_segments(paths) -> None:
 
 def let_go(paths, answered: bool) -> None:
     """A request's segments, once its call is over: removed -- except on Windows after every
-    target rank answered (``answered``), where each rank has copied its tensors out and closed its
-    view, so the mappings are kept for the next request's tensors of the same size
+    target rank answered without error (``answered``), where each rank has copied its tensors out
+    and closed its view, so the mappings are kept for the next request's tensors of the same size
     (:func:`nbdist.wire.mappings.spare`; they go with the group)."""
     if mappings.NAMED and answered:
         mappings.spare(paths)
