@@ -12,6 +12,8 @@ from pathlib import Path
 
 import psutil
 
+from attach_helpers import free_port
+
 #: first on the cluster's PYTHONPATH: see ray_quick_imports/rfc3987_syntax/__init__.py
 QUICK_IMPORTS = str(Path(__file__).parent / "ray_quick_imports")
 REPO = str(Path(__file__).parents[2])
@@ -38,7 +40,7 @@ class LocalRay:
         before = {p.pid for p in psutil.Process().children(recursive=True)}
         self.cluster = None
         try:
-            self.client_port = _free_port()  # the head serves the Ray Client there
+            self.client_port = free_port()  # the head serves the Ray Client there
             self.cluster = Cluster(initialize_head=True, head_node_args={
                 "num_cpus": 1, "object_store_memory": STORE,
                 "ray_client_server_port": self.client_port})
@@ -77,14 +79,6 @@ class LocalRay:
             except psutil.Error:
                 pass
         assert not left, f"Ray left processes behind: {left}"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _helpers() -> set:
