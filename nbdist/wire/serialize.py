@@ -153,12 +153,10 @@ class Pickler(cloudpickle.Pickler):
         path = f"{self.prefix}{os.getpid()}-{next(_counter)}"
         if mappings.NAMED:  # Windows: held here until every receiver answered (segments.let_go)
             nbytes = data.numel() * data.element_size()
-            got = mappings.reuse(self.prefix, nbytes) if self.private else None
-            if got is None:
-                got = path, mappings.create(path, nbytes)
-            path = got[0]
+            reused = mappings.reuse(self.prefix, nbytes) if self.private else None
+            path, buf = reused or (path, mappings.create(path, nbytes))
             self.created.append(path)
-            copy_into(got[1], data.view(-1).view(torch.uint8), nbytes)
+            copy_into(buf, data.view(-1).view(torch.uint8), nbytes)
             return (_rebuild_tensor,
                     (path, data.dtype, tuple(data.shape), requires_grad, is_param, self.private,
                      self.unlink))
