@@ -165,11 +165,17 @@ def _reform(backend: str, timeout: float, where: tuple, wait: Optional[float] = 
         c10d._set_pg_timeout(timedelta(seconds=timeout))
 
 
+#: s a rank waits to go home beyond twice the fit's timeout (see :func:`_home`)
+HOME_SPARE_S = 60
+
+
 def _home(spec, where: tuple) -> None:
     """Back to the group's backend after a fit. A rank that failed early (its fit backend refused
     to start, or its training raised) waits here for the others, which give up on the fit's
-    process group within its timeout: hence the longer wait to join."""
-    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + 10)
+    process group within its timeout: hence the longer wait to join, with a minute to spare for
+    a loaded machine (20 s were seen to run out on 2 busy cores). Waiting costs nothing once the
+    others come; a rank that never comes has died, and its death is reported meanwhile."""
+    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + HOME_SPARE_S)
 
 
 _MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy
