@@ -153,9 +153,12 @@ def _reform(backend: str, timeout: float, where: tuple, wait: Optional[float] = 
     from torch.distributed import distributed_c10d as c10d
 
     store, rank, size = where
-    # Every rank re-forms the same number of times, so this counter gives all a fresh, equal prefix
-    # without a collective (which would not work on a group a failed fit left broken).
-    generation = (store.add("nbdist-lightning/reforms", 1) - 1) // size
+    # Every rank re-forms the same number of times, so each rank's own counter gives all a fresh,
+    # equal prefix without a collective (which would not work on a group a failed fit left
+    # broken). One counter shared by all ranks did not: a rank whose fit backend refused at once
+    # could count its way home before a slower rank counted its way into the fit, and the two
+    # then waited under different prefixes until their timeouts.
+    generation = store.add(f"nbdist-lightning/reforms/{rank}", 1) - 1
     if dist.is_initialized():
         dist.destroy_process_group()
     store = dist.PrefixStore(f"nbdist-lightning/{generation}", store)
@@ -165,17 +168,11 @@ def _reform(backend: str, timeout: float, where: tuple, wait: Optional[float] = 
         c10d._set_pg_timeout(timedelta(seconds=timeout))
 
 
-#: s a rank waits to go home beyond twice the fit's timeout (see :func:`_home`)
-HOME_SPARE_S = 60
-
-
 def _home(spec, where: tuple) -> None:
     """Back to the group's backend after a fit. A rank that failed early (its fit backend refused
     to start, or its training raised) waits here for the others, which give up on the fit's
-    process group within its timeout: hence the longer wait to join, with a minute to spare for
-    a loaded machine (20 s were seen to run out on 2 busy cores). Waiting costs nothing once the
-    others come; a rank that never comes has died, and its death is reported meanwhile."""
-    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + HOME_SPARE_S)
+    process group within its timeout: hence the longer wait to join."""
+    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + 10)
 
 
 _MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy

@@ -231,7 +231,10 @@ def test_failed_fit_leaves_group_usable(g, nb, gloowrap):
 def test_a_fit_backend_one_rank_cannot_start_leaves_the_group_on_its_own(nb):
     """Rank 1's creator refuses: rank 0 waits for it until the process-group timeout (5 s here).
     Both then go back to the group's backend, so the next call's collective works (it used to find
-    no default process group at all, with the group saying "ready")."""
+    no default process group at all, with the group saying "ready"). Rank 0 comes 3 s late, as a
+    loaded machine made it: rank 1 is back home before rank 0 even starts the fit's process group
+    (the ranks used to count their re-forms in one shared counter, and then met under different
+    prefixes: rank 1 reported "Wait timeout" after 20 s)."""
     def creator(store, rank, size, timeout):
         import torch.distributed as dist
         if rank == 1:
@@ -240,6 +243,11 @@ def test_a_fit_backend_one_rank_cannot_start_leaves_the_group_on_its_own(nb):
     nbdist.register_backend("halfgloo", creator, devices=["cpu"], replace=True)
     try:
         with prepared_group(2, SOURCE, timeout=5) as group:
+            group.exec("import importlib, time\n"
+                       "nlfit = importlib.import_module('nbdist.lightning.fit')\n"
+                       "if rank == 0:\n"
+                       "    _on_time = nlfit._rendezvous\n"
+                       "    nlfit._rendezvous = lambda: (time.sleep(3), _on_time())[1]")
             with pytest.raises(nbdist.RemoteError) as info:
                 nl.fit(group, nb["Toy"], nb["make_data"], process_group_backend="halfgloo",
                        max_epochs=1, logger=False, enable_checkpointing=False)
