@@ -97,7 +97,13 @@ class _FlakyRay:
         self.calls.append(("shutdown",))
 
 
-def test_the_ray_clients_server_race_is_tried_once_more_and_said(monkeypatch, caplog):
+_ZOMBIE = ("Traceback (most recent call last):\n  File \".../ray/util/client/server/proxier.py\", "
+           "line 396, in start_specific_server\n    cmd = psutil_proc.cmdline()\n"
+           "psutil.ZombieProcess: PID still exists but it's a zombie (pid=12371)")
+
+
+@pytest.mark.parametrize("text", [None, _ZOMBIE], ids=["server-failed", "server-a-zombie"])
+def test_the_ray_clients_server_race_is_tried_once_more_and_said(monkeypatch, caplog, text):
     import logging
 
     from nbdist.engines import ray_session
@@ -105,7 +111,7 @@ def test_the_ray_clients_server_race_is_tried_once_more_and_said(monkeypatch, ca
 
     monkeypatch.setattr(current, "_notes_said", set())
     caplog.set_level(logging.INFO, logger="nbdist")  # outside a kernel a note is a log record
-    ray = _FlakyRay(fails=1)
+    ray = _FlakyRay(fails=1) if text is None else _FlakyRay(fails=1, text=text)
     ray_session._init(ray, "ray://head:10001")
     assert ray.calls == [("init", "ray://head:10001"), ("shutdown",), ("init", "ray://head:10001")]
     assert ("nbdist: the Ray Client server at ray://head:10001 failed to start this kernel's "
