@@ -12,12 +12,17 @@ the 2 cores here when run in one process).
 * ``ranks``: the rest of ``tests/integration``.
 
 Split so that a new test folder or module runs in one of them, never in none: ``kernels`` takes
-every entry of ``tests/`` but the integration folder, ``ranks`` the integration folder less the
-listed modules (a name in the list that does not exist stops the run).
+every entry of ``tests/`` that pytest would collect but the integration folder, ``ranks`` the
+integration folder less the listed modules (a name in the list that does not exist stops the run).
+A new integration module that starts a cluster belongs in :data:`WITH_KERNELS`: add it there.
 Each stream prints its lines prefixed with its name; the exit status is the first non-zero one.
-With ``--serial``, or on a machine with one core, it runs one pytest over everything instead.
-Each test already runs alone in its process, so nothing is shared between the two but the
-machine: tests pick free ports at random and check only their own children and segments.
+With ``--serial``, or where this process may use only one core, it runs one pytest instead (no
+other argument is taken: ``bash scripts/test.sh ARGS`` runs one pytest with ``ARGS``).
+
+Each stream runs in a process group of its own: a Ctrl-C, SIGTERM or SIGHUP to this script reaches
+each stream once, as SIGINT (pytest then tears its fixtures down); a stream still running
+:data:`STOP_S` s later is killed with its whole group. Nothing is shared between the two streams
+but the machine: tests pick free ports at random and check only their own children and segments.
 """
 from __future__ import annotations
 
@@ -36,6 +41,20 @@ WITH_KERNELS = [
     "test_engine_slurm.py", "test_engine_slurm_reattach.py", "test_attach_slurm.py",
     "test_engine_ray.py", "test_engine_k8s.py", "test_k8s_api.py", "test_lifecycle.py",
 ]
+STOP_S = 60.0  #: s a stream gets to end after the SIGINT it was sent
+USAGE = ("scripts/test_streams.py takes only --serial; to run some tests, pass them to one pytest: "
+         "bash scripts/test.sh ARGS")
+
+
+def _collected(entry: os.DirEntry) -> bool:
+    """Whether pytest collects ``tests/<entry>`` (a folder, or a test module by its default
+    ``test_*.py`` / ``*_test.py`` names); hidden entries and caches are not."""
+    if entry.name.startswith((".", "__")):
+        return False
+    if entry.is_dir():
+        return True
+    return entry.name.endswith(".py") and (entry.name.startswith("test_")
+                                            or entry.name.endswith("_test.py"))
 
 
 def streams():
@@ -46,59 +65,100 @@ def streams():
         raise SystemExit(f"scripts/test_streams.py: WITH_KERNELS names {missing}, which do not "
                          "exist; update the list.")
     others = sorted(f"tests/{entry.name}" for entry in os.scandir(os.path.join(ROOT, "tests"))
-                    if f"tests/{entry.name}" != INTEGRATION and (
-                        (entry.is_dir() and entry.name != "__pycache__")
-                        or (entry.name.startswith("test_") and entry.name.endswith(".py"))))
+                    if f"tests/{entry.name}" != INTEGRATION and _collected(entry))
     return [("kernels", [*others, *moved]),
             ("ranks", [INTEGRATION, *(f"--ignore={path}" for path in moved)])]
 
 
 def _relay(name: str, proc: subprocess.Popen) -> None:
+    """Copy a stream's lines to this script's stdout, prefixed; keep reading (so the stream never
+    blocks on a full pipe) even once this stdout is gone."""
     for line in proc.stdout:
-        sys.stdout.write(f"[{name}] {line}")
-        sys.stdout.flush()
+        try:
+            sys.stdout.write(f"[{name}] {line}")
+            sys.stdout.flush()
+        except (OSError, ValueError):
+            pass
 
 
-def run(extra) -> int:
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _stop(procs) -> None:
+    """SIGINT once to each stream still running, then SIGKILL to any group left after STOP_S."""
+    for _, proc, _ in procs:
+        if proc.poll() is None:
+            _signal_group(proc, signal.SIGINT)
+    deadline = time.monotonic() + STOP_S
+    for _, proc, _ in procs:
+        try:
+            proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
+    for _, _, relay in procs:  # what the streams said as they stopped
+        relay.join(5)
+
+
+def _as_interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def run() -> int:
+    """Both streams at once; the first non-zero exit status (a stream killed by a signal: 1)."""
     started = time.monotonic()
     procs = []
-    # SIGINT as Python sets it, whoever started this script: a shell that ran it in the background
-    # left it ignored, and the children would inherit that (the interrupt tests need it).
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for name in ("SIGTERM", "SIGHUP"):  # as Ctrl-C: the streams are stopped, not left running
+        signal.signal(getattr(signal, name), _as_interrupt)
     try:
         for name, args in streams():
-            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", *args, *extra],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                    text=True, errors="backslashreplace")
+            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", *args], cwd=ROOT,
+                                    stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True,
+                                    errors="backslashreplace", start_new_session=True)
             relay = threading.Thread(target=_relay, args=(name, proc), daemon=True)
             relay.start()
             procs.append((name, proc, relay))
-        status = 0
-        for name, proc, relay in procs:
-            code = proc.wait()
-            relay.join()
-            print(f"[{name}] exit status {code} after {time.monotonic() - started:.0f} s",
-                  flush=True)
-            status = status or code
+        status, left = 0, list(procs)
+        while left:
+            for item in list(left):
+                name, proc, relay = item
+                code = proc.poll()
+                if code is None:
+                    continue
+                left.remove(item)
+                relay.join(10)  # a leftover grandchild holding the pipe: do not wait for it
+                print(f"[{name}] exit status {code} after {time.monotonic() - started:.0f} s",
+                      flush=True)
+                status = status or (code if code > 0 else 1)
+            time.sleep(0.2)
         return status
+    except KeyboardInterrupt:
+        print("test_streams: interrupted; stopping both streams", file=sys.stderr, flush=True)
+        return 130
     finally:  # interrupted (or failed to start one): no stream outlives this script
-        for _, proc, _ in procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for _, proc, _ in procs:
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        _stop(procs)
+
+
+def _cores() -> int:
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
 
 
 def main(argv) -> int:
-    serial = "--serial" in argv
-    extra = [a for a in argv if a != "--serial"]
-    if serial or (os.cpu_count() or 1) < 2:
-        return subprocess.call([sys.executable, "-m", "pytest", "-q", *extra], cwd=ROOT)
-    return run(extra)
+    if argv not in ([], ["--serial"]):
+        raise SystemExit(USAGE)
+    # SIGINT as Python sets it, whoever started this script: a shell that ran it in the background
+    # left it ignored, and pytest would inherit that (the interrupt tests need it).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if argv or _cores() < 2 or not hasattr(os, "killpg"):
+        os.chdir(ROOT)
+        os.execv(sys.executable, [sys.executable, "-m", "pytest", "-q"])
+    return run()
 
 
 if __name__ == "__main__":

@@ -3,6 +3,10 @@ exactly one of them, and a stale list stops the run instead of dropping tests.""
 import importlib.util
 import os
 import pathlib
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 
@@ -30,8 +34,9 @@ def test_every_test_folder_and_integration_module_runs_in_exactly_one_stream():
     ranks, ranks_ignored = _paths(streams["ranks"])
     assert not kernels_ignored and ranks == {"tests/integration"}
     tops = {f"tests/{e.name}" for e in os.scandir(ROOT / "tests")
-            if (e.is_dir() and e.name != "__pycache__")
-            or (e.name.startswith("test_") and e.name.endswith(".py"))}
+            if not e.name.startswith((".", "__")) and (
+                e.is_dir() or (e.name.endswith(".py") and (e.name.startswith("test_")
+                                                           or e.name.endswith("_test.py"))))}
     moved = {p for p in kernels if p.startswith("tests/integration/")}
     assert kernels - moved == tops - {"tests/integration"}
     assert moved == ranks_ignored and all((ROOT / p).is_file() for p in moved)
@@ -47,3 +52,71 @@ def test_a_listed_module_that_does_not_exist_stops_the_run(monkeypatch):
     with pytest.raises(SystemExit, match=r"WITH_KERNELS names \['tests/integration/test_gone.py'\], "
                                          "which do not exist; update the list"):
         module.streams()
+
+
+@pytest.mark.timeout(30)
+def test_it_takes_no_test_arguments_and_says_where_they_go():
+    module = _load()
+    for argv in (["tests/unit"], ["-x"], ["--serial", "-k", "x"]):
+        with pytest.raises(SystemExit, match=r"takes only --serial; to run some tests, pass them "
+                                             r"to one pytest: bash scripts/test.sh ARGS"):
+            module.main(argv)
+
+
+@pytest.mark.timeout(30)
+def test_pytests_own_module_names_and_no_hidden_entries_are_collected(tmp_path, monkeypatch):
+    module = _load()
+    tests = tmp_path / "tests"
+    (tests / "integration").mkdir(parents=True)
+    for name in module.WITH_KERNELS:
+        (tests / "integration" / name).write_text("")
+    for name in ("unit", ".hidden", "__pycache__"):
+        (tests / name).mkdir()
+    for name in ("test_a.py", "b_test.py", "conftest.py", "helpers.py"):
+        (tests / name).write_text("")
+    monkeypatch.setattr(module, "ROOT", str(tmp_path))
+    kernels = dict(module.streams())["kernels"]
+    assert [p for p in kernels if not p.startswith("tests/integration/")] == \
+        ["tests/b_test.py", "tests/test_a.py", "tests/unit"]
+
+
+DRIVER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("streams", {script!r})
+streams = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(streams)
+args = [{slow!r}, "-p", "no:cacheprovider", "--rootdir", {root!r}, "-c", {ini!r}]
+streams.streams = lambda: [("one", args), ("two", args)]
+sys.exit(streams.run())
+"""
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not hasattr(os, "killpg"), reason="two streams need process groups (POSIX); "
+                    "elsewhere the script runs one pytest")
+def test_a_sigterm_stops_both_streams_and_leaves_none_running(tmp_path):
+    slow = tmp_path / "test_slow.py"
+    slow.write_text("import time\n\ndef test_slow():\n    time.sleep(120)\n")
+    ini = tmp_path / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    driver = tmp_path / "driver.py"
+    driver.write_text(DRIVER.format(script=str(ROOT / "scripts" / "test_streams.py"),
+                                    slow=str(slow), root=str(tmp_path), ini=str(ini)))
+    launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+    import psutil
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # both streams are in their slow test
+        streams = [p for p in psutil.Process(launcher.pid).children()
+                   if "pytest" in " ".join(p.cmdline())]
+        if len(streams) == 2:
+            break
+        time.sleep(0.2)
+    assert len(streams) == 2
+    time.sleep(3)
+    launcher.send_signal(signal.SIGTERM)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130, (out, err)
+    assert "test_streams: interrupted; stopping both streams" in err
+    assert not [p for p in streams if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
