@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import uuid
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Dict, Optional, Union
@@ -119,7 +120,8 @@ def fit(group, make_module: Callable, make_data: Optional[Callable] = None,
               f"fit and go back to {group.backend!r} afterwards (per-rank variables are kept).",
               file=sys.stdout)  # a note, not an error: stderr shows as one in Jupyter
     spec = {"strategy": strategy, "backend": target, "home": group.backend, "custom": custom,
-            "device": group.device, "timeout": group.timeout, "weights": weights}
+            "device": group.device, "timeout": group.timeout, "weights": weights,
+            "fit": uuid.uuid4().hex}  # names the store prefixes of this fit's re-forms
     if not block:
         return group.submit(_fit_on_rank, make_module, make_data, spec, trainer_kwargs,
                             timeout=timeout)
@@ -145,23 +147,22 @@ def _rendezvous() -> tuple:
     return store, dist.get_rank(), dist.get_world_size()
 
 
-def _reform(backend: str, timeout: float, where: tuple, wait: Optional[float] = None) -> None:
+def _reform(backend: str, timeout: float, where: tuple, name: str,
+            wait: Optional[float] = None) -> None:
     """Replace the default process group (if any) by one with ``backend`` over ``where``
     (:func:`_rendezvous`), waiting up to ``wait`` s (default ``timeout``) for every rank to join;
-    collectives then time out after ``timeout``."""
+    collectives then time out after ``timeout``. ``name``: the same on every rank and new for each
+    re-form (the fit's id and the step), so the ranks meet under one fresh store prefix."""
     dist = _dist()
     from torch.distributed import distributed_c10d as c10d
 
     store, rank, size = where
-    # Every rank re-forms the same number of times, so each rank's own counter gives all a fresh,
-    # equal prefix without a collective (which would not work on a group a failed fit left
-    # broken). One counter shared by all ranks did not: a rank whose fit backend refused at once
-    # could count its way home before a slower rank counted its way into the fit, and the two
-    # then waited under different prefixes until their timeouts.
-    generation = store.add(f"nbdist-lightning/reforms/{rank}", 1) - 1
+    # The prefix is named by the kernel, not counted on the ranks: a counter shared in the store
+    # let a rank whose fit backend refused at once count its way home before a slower rank counted
+    # its way into the fit, and the two then waited under different prefixes until their timeouts.
     if dist.is_initialized():
         dist.destroy_process_group()
-    store = dist.PrefixStore(f"nbdist-lightning/{generation}", store)
+    store = dist.PrefixStore(f"nbdist-lightning/{name}", store)
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=wait or timeout))
     if wait and wait != timeout:
@@ -172,7 +173,8 @@ def _home(spec, where: tuple) -> None:
     """Back to the group's backend after a fit. A rank that failed early (its fit backend refused
     to start, or its training raised) waits here for the others, which give up on the fit's
     process group within its timeout: hence the longer wait to join."""
-    _reform(spec["home"], spec["timeout"], where, wait=2 * spec["timeout"] + 10)
+    _reform(spec["home"], spec["timeout"], where, f"{spec['fit']}/home",
+            wait=2 * spec["timeout"] + 10)
 
 
 _MODEL_PARALLEL = ("fsdp2", "tp", "fsdp2+tp")  # nbdist's names served by ModelParallelStrategy
@@ -240,7 +242,7 @@ def _fit_on_rank(make_module, make_data, spec, trainer_kwargs) -> FitResult:
             backend.register_in_torch()
         where = _rendezvous()
         try:
-            _reform(spec["backend"], spec["timeout"], where)
+            _reform(spec["backend"], spec["timeout"], where, f"{spec['fit']}/fit")
         except BaseException:
             _home(spec, where)  # every rank comes here: the group keeps a process group
             raise
