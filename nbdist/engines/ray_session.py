@@ -23,10 +23,12 @@ NAMESPACE = "nbdist"  #: the Ray namespace of a keep_alive group's named, detach
 #: what the Ray Client's error says when the cluster's client server could not start this kernel's
 #: session: its proxier forks that server while gRPC threads run, and the child sometimes dies at
 #: once (ray-project/ray#63202: about 1 connection in 14 there, 1 in 24 in this project's tests); a
-#: second try starts a new one. Either text: Ray's own message, or its proxier's traceback when
-#: the dead server was still a zombie as the proxier looked at it (``start_specific_server``
-#: raising ``psutil.ZombieProcess``; seen on a loaded machine here)
-CLIENT_SERVER_RACE = ("Starting Ray client server failed", "in start_specific_server")
+#: second try starts a new one. Each entry: texts that all appear in the error -- Ray's own
+#: message, or its proxier's traceback when the dead server was still a zombie as the proxier
+#: looked at it (``start_specific_server`` raising ``psutil.ZombieProcess``; seen on a loaded
+#: machine here). Other failures of that function (a runtime env, a log file) are not retried.
+CLIENT_SERVER_RACE = (("Starting Ray client server failed",),
+                      ("in start_specific_server", "ZombieProcess"))
 
 
 def connect(address: Optional[str]) -> "Session":
@@ -69,7 +71,7 @@ def _init(ray, address: Optional[str]) -> None:
         return
     except (ConnectionError, RuntimeError) as err:
         if not str(address or "").startswith("ray://") or not any(
-                text in str(err) for text in CLIENT_SERVER_RACE):
+                all(text in str(err) for text in texts) for texts in CLIENT_SERVER_RACE):
             raise
     from ..runtime.current import say_once
 

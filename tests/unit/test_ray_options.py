@@ -123,6 +123,9 @@ def test_the_ray_clients_server_race_is_tried_once_more_and_said(monkeypatch, ca
 @pytest.mark.parametrize("address, text", [
     ("auto", "Starting Ray client server failed."),  # not the Ray Client: nothing to start again
     ("ray://head:10001", "Connection refused"),  # another failure: said as it is
+    # the same function failing otherwise (its runtime env, say): not the race
+    ("ray://head:10001", 'File ".../proxier.py", line 380, in start_specific_server\n'
+                         "RuntimeError: Failed to create runtime env"),
 ])
 def test_other_ray_connection_failures_are_not_tried_again(address, text):
     from nbdist.engines import ray_session
