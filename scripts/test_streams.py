@@ -116,7 +116,9 @@ def run() -> int:
         signal.signal(getattr(signal, name), _as_interrupt)
     try:
         for name, args in streams():
-            proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", *args], cwd=ROOT,
+            # -u: the stream's lines come as pytest writes them, not in blocks of a pipe's buffer
+            # (for pytest's own process only: what the tests start is not changed)
+            proc = subprocess.Popen([sys.executable, "-u", "-m", "pytest", "-q", *args], cwd=ROOT,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True,
                                     errors="backslashreplace", start_new_session=True)
@@ -134,7 +136,8 @@ def run() -> int:
                 relay.join(10)  # a leftover grandchild holding the pipe: do not wait for it
                 print(f"[{name}] exit status {code} after {time.monotonic() - started:.0f} s",
                       flush=True)
-                status = status or (code if code > 0 else 1)
+                if code:  # the first failure's status (a stream killed by a signal: 1)
+                    status = status or (code if code > 0 else 1)
             time.sleep(0.2)
         return status
     except KeyboardInterrupt:

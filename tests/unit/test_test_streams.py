@@ -85,23 +85,48 @@ import importlib.util, sys
 spec = importlib.util.spec_from_file_location("streams", {script!r})
 streams = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(streams)
-args = [{slow!r}, "-p", "no:cacheprovider", "--rootdir", {root!r}, "-c", {ini!r}]
-streams.streams = lambda: [("one", args), ("two", args)]
+common = ["-p", "no:cacheprovider", "--rootdir", {root!r}, "-c", {ini!r}]
+streams.streams = lambda: [("one", [{first!r}, *common]), ("two", [{second!r}, *common])]
 sys.exit(streams.run())
 """
 
 
+def _driver(driver, first, second, tmp_path, ini):
+    driver.write_text(DRIVER.format(script=str(ROOT / "scripts" / "test_streams.py"),
+                                    first=str(first), second=str(second), root=str(tmp_path),
+                                    ini=str(ini)))
+
+
+POSIX = pytest.mark.skipif(not hasattr(os, "killpg"), reason="two streams need process groups "
+                           "(POSIX); elsewhere the script runs one pytest")
+
+
+@pytest.mark.timeout(120)
+@POSIX
+@pytest.mark.parametrize("second, status", [("pass", 0), ("fail", 1)])
+def test_the_exit_status_is_zero_only_when_both_streams_pass(tmp_path, second, status):
+    ini = tmp_path / "pytest.ini"
+    ini.write_text("[pytest]\n")
+    ok = tmp_path / "test_ok.py"
+    ok.write_text("def test_ok():\n    pass\n")
+    other = tmp_path / f"test_{second}.py"
+    other.write_text(f"def test_it():\n    assert {second == 'pass'}\n")
+    driver = tmp_path / "driver.py"
+    _driver(driver, ok, other, tmp_path, ini)
+    done = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=90)
+    assert done.returncode == status, (done.stdout, done.stderr)
+    assert f"[two] exit status {status} after" in done.stdout and "[one] 1 passed" in done.stdout
+
+
 @pytest.mark.timeout(90)
-@pytest.mark.skipif(not hasattr(os, "killpg"), reason="two streams need process groups (POSIX); "
-                    "elsewhere the script runs one pytest")
+@POSIX
 def test_a_sigterm_stops_both_streams_and_leaves_none_running(tmp_path):
     slow = tmp_path / "test_slow.py"
     slow.write_text("import time\n\ndef test_slow():\n    time.sleep(120)\n")
     ini = tmp_path / "pytest.ini"
     ini.write_text("[pytest]\n")
     driver = tmp_path / "driver.py"
-    driver.write_text(DRIVER.format(script=str(ROOT / "scripts" / "test_streams.py"),
-                                    slow=str(slow), root=str(tmp_path), ini=str(ini)))
+    _driver(driver, slow, slow, tmp_path, ini)
     launcher = subprocess.Popen([sys.executable, str(driver)], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
     import psutil
