@@ -113,8 +113,8 @@ def test_stop_from_another_thread_ends_a_pdb_prompt_that_waits_for_the_user(monk
 
     def stop_once_prompting():
         stdin.reading.wait(LIVENESS)
-        try:
-            return g.stop(timeout=1)
+        try:  # (a bound for a loaded machine: without the fix no timeout is enough, the prompt
+            return g.stop(timeout=15)  # waits for the user; with it the stop returns once done)
         finally:
             os.write(write, b"c\n")  # answers a prompt still open (so a failure cannot hang)
 
