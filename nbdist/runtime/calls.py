@@ -23,6 +23,7 @@ waited on later.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -40,6 +41,8 @@ from .failure_advice import attached_advice, dead_group_advice, gone_advice
 from .ready import failure_from
 
 OK, DIED, TIMEOUT, INTERRUPTED = "ok", "died", "timeout", "interrupted"
+#: what a reply that lent no pooled segment claims while it is unpickled: nothing
+_NOTHING_LENT = contextlib.nullcontext(())
 OUTPUT_LINES = 1000  #: lines of output a call keeps per rank (the oldest are dropped beyond)
 
 
@@ -328,7 +331,7 @@ def _decode(call: Call, rs: RankSet, world_size: int, auto_restart: bool) -> Ver
                 results.append(None)
                 todo.pop(0)
                 continue
-            with pool.claiming() as claimed:
+            with pool.claiming() if paths else _NOTHING_LENT as claimed:
                 try:
                     results.append(serialize.loads(body))
                 except Exception as err:  # noqa: BLE001 -- e.g. a class only the ranks import

@@ -124,6 +124,8 @@ class RankOutput:
             if self._call is not call or self._folder is None:
                 return
             folder, self._folder = self._folder, None
+            if folder.empty():  # nothing printed: nothing held, nothing folded (most calls)
+                return
             held, summary = folder.finish()
             _write(self._labelled(held), call)
             for stream in ("stdout", "stderr"):
@@ -174,6 +176,8 @@ class SinkThread:
 
     def wait(self) -> None:
         """Until every line queued so far went to its sink (a sink that blocks: as long)."""
+        if self._delivered >= self._queued:  # every line queued so far went (most calls)
+            return
         with self._cond:
             if threading.current_thread() is not self._thread:  # a sink making a call: no wait
                 target = self._queued

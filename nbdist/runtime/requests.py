@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
 
 from ..wire import serialize
-from . import cells
+from . import cells, fnbytes
 
 
 @dataclass
@@ -38,9 +38,14 @@ def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = getattr(fn, "__qualname__", type(fn).__name__)
+    hit, state = fnbytes.find(fn, args, kwargs)  # the same function again: its bytes again
+    if hit is not None:
+        return Request("run", hit[0], f"run {name}", [], dict(hit[1]))
     naming = cells.Naming()  # code from notebook cells keeps its cell's name and text
     payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}", prefix,
                             naming)
+    if not segs:
+        fnbytes.keep(state, payload, naming.texts)
     return Request("run", payload, f"run {name}", segs, naming.texts)
 
 

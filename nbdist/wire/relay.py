@@ -221,7 +221,7 @@ class OutputRelay:
                 self._expected[(rank, stream)] = int(count)
 
     def _await_expected(self, wait: float) -> None:
-        if threading.current_thread() is self._thread:
+        if not self._expected or threading.current_thread() is self._thread:
             return  # the relay thread itself reads them
 
         def arrived() -> bool:

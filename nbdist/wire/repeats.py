@@ -146,6 +146,10 @@ class RepeatFolder:
         """Seconds until the oldest held line is due (``None``: nothing is held)."""
         return max(0.0, self._held[0].deadline - now) if self._held else None
 
+    def empty(self) -> bool:
+        """Nothing was fed since the start (or the last :meth:`finish`)."""
+        return not self._blocks  # every line fed makes its (rank, stream) block
+
     def finish(self) -> Tuple[List[Shown], List[Shown]]:
         """End the call: ``(held lines, summary)``. The summary has one entry per line that was
         folded, labelled with the ranks that printed it and how often; then the folder starts over."""

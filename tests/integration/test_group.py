@@ -41,6 +41,18 @@ def test_notebook_functions_closures_and_classes_travel_by_value(shared_group):
     assert shared_group.run(lambda: k * 2) == [20, 20]
 
 
+def test_the_same_function_sees_each_new_value_of_its_globals(shared_group):
+    # A function called again with no arguments reuses its pickled bytes (nbdist.runtime.fnbytes)
+    # only while nothing it reads can have changed: a rebound number, a list changed in place.
+    get = notebook_function("LR = 0.5\nSEEN = []\n"
+                            "def get():\n    return LR, len(SEEN)\n", "get")
+    assert shared_group.run(get) == [(0.5, 0), (0.5, 0)]
+    assert shared_group.run(get) == [(0.5, 0), (0.5, 0)]
+    get.__globals__["LR"] = 0.25
+    get.__globals__["SEEN"].append(1)
+    assert shared_group.run(get) == [(0.25, 1), (0.25, 1)]
+
+
 def test_rank_environment_and_sigint(shared_group):
     def sigint_raises_keyboard_interrupt():
         try:

@@ -1,0 +1,138 @@
+"""A function's pickled request, reused only while nothing it was made from can have changed
+(nbdist.runtime.fnbytes; issue 39, the trivial call). Real cloudpickle, real requests: the bytes
+sent to the ranks are unpickled here and called, as a rank would."""
+import sys
+import types
+
+import cloudpickle
+import pytest
+
+from nbdist.runtime import cells, fnbytes, requests
+
+PREFIX = "/dev/shm/nbdist-test-fnbytes-"
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    fnbytes.clear()
+    yield
+    fnbytes.clear()
+
+
+def notebook(source: str, name: str = "f"):
+    """A function defined as in a notebook (a module nobody can import: it travels by value),
+    and its globals."""
+    ns = {"__name__": "nbdist_test_notebook"}
+    exec(source, ns)
+    return ns[name], ns
+
+
+def payload(fn, *args):
+    return requests.run_request(fn, args, None, PREFIX).payload
+
+
+def called(data: bytes):
+    fn, args, kwargs = cloudpickle.loads(data)
+    return fn(*args, **kwargs)
+
+
+def test_the_same_function_again_sends_the_same_bytes_without_pickling():
+    f, _ = notebook("import math\nLR = 0.5\ndef f(x=2):\n    return math.floor(LR * 4) + x\n")
+    first = payload(f)
+    assert payload(f) is first  # kept: not pickled again
+    assert called(first) == 4
+
+
+def test_a_rebound_global_is_pickled_again_and_reaches_the_ranks():
+    f, ns = notebook("LR = 0.5\ndef f():\n    return LR\n")
+    assert called(payload(f)) == 0.5
+    ns["LR"] = 0.25
+    assert called(payload(f)) == 0.25
+    ns["LR"] = 0.5  # an equal value, another object: pickled again too
+    assert called(payload(f)) == 0.5
+
+
+@pytest.mark.parametrize("source", [
+    "STATE = [1]\ndef f():\n    return STATE[-1]\n",                  # a mutable global
+    "def helper():\n    return 1\ndef f():\n    return helper()\n",   # another function
+    "def f(x=[1]):\n    return x[-1]\n",                             # a mutable default
+])
+def test_what_can_change_in_place_is_pickled_on_every_call(source):
+    f, _ = notebook(source)
+    assert payload(f) is not payload(f)
+
+
+def test_a_mutated_global_list_reaches_the_ranks():
+    f, ns = notebook("STATE = [1]\ndef f():\n    return STATE[-1]\n")
+    assert called(payload(f)) == 1
+    ns["STATE"].append(2)
+    assert called(payload(f)) == 2
+
+
+def test_closures_defaults_and_attributes_are_followed():
+    def make(k):
+        def inner():
+            return k
+        return inner
+
+    g, h = make(1), make(2)  # one code object, two closures
+    assert called(payload(g)) == 1 and called(payload(h)) == 2
+    assert called(payload(g)) == 1
+
+    f, _ = notebook("def f(x=1):\n    return x\n")
+    first = payload(f)
+    f.__defaults__ = (3,)
+    assert called(payload(f)) == 3 and payload(f) is not first
+
+    f.note = "an attribute of its own"
+    assert payload(f) is not payload(f)
+    del f.note
+    f.__annotations__["return"] = int
+    assert payload(f) is not payload(f)
+
+
+def test_keyword_only_defaults_and_arguments_are_never_kept():
+    f, _ = notebook("def f(*, x=1):\n    return x\n")
+    assert payload(f) is not payload(f)
+    f, _ = notebook("def f(x):\n    return x\n")
+    assert payload(f, 1) is not payload(f, 1)
+    assert requests.run_request(f, (), {"x": 4}, PREFIX).payload is not \
+        requests.run_request(f, (), {"x": 4}, PREFIX).payload
+
+
+def test_an_import_or_a_module_registered_by_value_invalidates():
+    f, _ = notebook("import math\ndef f():\n    return math.pi\n")
+    first = payload(f)
+    mod = types.ModuleType("nbdist_test_fnbytes_new")
+    sys.modules[mod.__name__] = mod  # cloudpickle names the imported submodules a code reaches
+    try:
+        assert payload(f) is not first
+        cloudpickle.register_pickle_by_value(mod)
+        try:
+            assert payload(f) is not payload(f)
+        finally:
+            cloudpickle.unregister_pickle_by_value(mod)
+    finally:
+        del sys.modules[mod.__name__]
+
+
+def test_a_new_cell_hook_names_the_code_again(monkeypatch):
+    f, _ = notebook("def f():\n    return 1\n")
+    first = payload(f)
+    text = "def f():\n    return 1\n"
+    monkeypatch.setattr(cells, "CELLS", lambda filename: ("Cell In[7]", text)
+                        if filename == f.__code__.co_filename else None)
+    req = requests.run_request(f, (), None, PREFIX)
+    assert req.payload is not first and req.cells == {"Cell In[7]": text}
+    again = requests.run_request(f, (), None, PREFIX)
+    assert again.payload is req.payload and again.cells == req.cells  # the texts kept too
+    assert again.cells is not req.cells
+
+
+def test_large_payloads_are_not_kept_and_the_cache_is_bounded():
+    f, _ = notebook("BIG = 'x' * (%d + 1)\ndef f():\n    return len(BIG)\n" % fnbytes.MAX_BYTES)
+    assert payload(f) is not payload(f)
+    for i in range(fnbytes.MAX_ENTRIES + 5):
+        fn, _ = notebook(f"def f():\n    return {i}\n")
+        payload(fn)
+    assert len(fnbytes._kept) == fnbytes.MAX_ENTRIES
