@@ -53,6 +53,7 @@ class RankOutput:
         self._lock = locks.make("output")
         self._call: Optional[Call] = None
         self._folder: Optional[RepeatFolder] = None
+        self._spare: Optional[RepeatFolder] = None  #: an empty folder the next call takes
         self._to_user = SinkThread()
         self.dedupe = dedupe
 
@@ -75,7 +76,7 @@ class RankOutput:
         with self._lock:
             self._call = call
             fold = self._dedupe and self._user_sink() is None
-            self._folder = RepeatFolder() if fold else None
+            self._folder, self._spare = (self._spare or RepeatFolder()) if fold else None, None
 
     def show_job(self, call: Call, name: str) -> None:
         """``call`` is background job ``name``'s: its shown lines go to :data:`JOB_DISPLAY`'s
@@ -125,6 +126,7 @@ class RankOutput:
                 return
             folder, self._folder = self._folder, None
             if folder.empty():  # nothing printed: nothing held, nothing folded (most calls)
+                self._spare = folder  # the next call's, as it is
                 return
             held, summary = folder.finish()
             _write(self._labelled(held), call)

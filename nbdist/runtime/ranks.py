@@ -180,6 +180,8 @@ class RankSet:
 
     def select(self, timeout: Optional[float]):
         """``[(what, rank)]`` that are ready: ``("ctl", r)`` a message, ``("dead", r)`` an exit."""
+        if not self._polled:  # every exit is a sentinel in the selector (all but Windows)
+            return [key.data for key, _ in self._sel.select(timeout)]
         return [data for data, _ in select_exits(self._sel, self._polled, timeout)]
 
     def forget(self, r: int) -> None:
@@ -207,7 +209,7 @@ class RankSet:
     def take_freed(self, r: int) -> List[str]:
         """The segments to tell rank ``r`` about with its next request."""
         q, out = self._freed.get(r), []
-        while q is not None:
+        while q is not None and not q.empty():  # (most calls: empty, no exception raised)
             try:
                 out.append(q.get_nowait())
             except queue.Empty:

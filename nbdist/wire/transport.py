@@ -18,7 +18,6 @@ protected connection the hello and every later message is sealed (:mod:`nbdist.w
 """
 from __future__ import annotations
 
-import contextlib
 import errno
 import hmac
 import json
@@ -274,21 +273,25 @@ class Channel:
 
     def send_bytes(self, data: bytes) -> None:
         """Send one framed message whose body is ``data``."""
-        with self._send_lock, self._noting_silence():
+        with self._send_lock:
             self._half_sent = True
-            if self.seal is not None:
-                head, tail = self.seal.wrap(data)
-                if len(data) < 65536:
-                    self.sock.sendall(head + data + tail)
+            try:
+                if self.seal is not None:
+                    head, tail = self.seal.wrap(data)
+                    if len(data) < 65536:
+                        self.sock.sendall(head + data + tail)
+                    else:
+                        self.sock.sendall(head)
+                        self.sock.sendall(data)
+                        self.sock.sendall(tail)
+                elif len(data) < 65536:
+                    self.sock.sendall(_HEADER.pack(len(data)) + data)
                 else:
-                    self.sock.sendall(head)
+                    self.sock.sendall(_HEADER.pack(len(data)))
                     self.sock.sendall(data)
-                    self.sock.sendall(tail)
-            elif len(data) < 65536:
-                self.sock.sendall(_HEADER.pack(len(data)) + data)
-            else:
-                self.sock.sendall(_HEADER.pack(len(data)))
-                self.sock.sendall(data)
+            except TimeoutError as err:
+                self._note_silence(err)
+                raise
             self.sent += 1
             self._half_sent = False
 
@@ -296,38 +299,35 @@ class Channel:
         """Receive one framed message body (raises ``ConnectionError`` on EOF). Waits as long as
         it takes for a message to begin; once it has, :attr:`stall` bounds each pause."""
         self._half_read = True
-        begun = []
-
-        def read(sock, n):
-            data = recv_exact(sock, n, stall=self.stall, begun=bool(begun))
-            begun.append(True)
-            return data
-
-        with self._noting_silence():
+        try:
             if self.seal is not None:
+                begun = []
+
+                def read(sock, n):
+                    data = recv_exact(sock, n, stall=self.stall, begun=bool(begun))
+                    begun.append(True)
+                    return data
+
                 try:
                     data = read_frame(self.sock, self.seal, read)
                 except IntegrityError as err:
                     self._drop(err)
                     raise
-            else:
-                (size,) = _HEADER.unpack(read(self.sock, _HEADER.size))
-                data = read(self.sock, size)
+            else:  # the header waits as long as it takes; the body is bounded by the stall
+                (size,) = _HEADER.unpack(recv_exact(self.sock, _HEADER.size, stall=self.stall))
+                data = recv_exact(self.sock, size, stall=self.stall, begun=True)
+        except TimeoutError as err:
+            self._note_silence(err)
+            raise
         self._half_read = False
         return data
 
-    @contextlib.contextmanager
-    def _noting_silence(self):
+    def _note_silence(self, err: TimeoutError) -> None:
         """A peer that went silent fails the connection: say why in :attr:`failure`."""
-        try:
-            yield
-        except MessageStalled as err:
+        if isinstance(err, MessageStalled):
             self.failure, self.peer_silent = self.failure or str(err), True
-            raise
-        except TimeoutError as err:
-            if err.errno == errno.ETIMEDOUT:  # keepalive or TCP_USER_TIMEOUT gave up
-                self.failure, self.peer_silent = self.failure or UNANSWERED, True
-            raise
+        elif err.errno == errno.ETIMEDOUT:  # keepalive or TCP_USER_TIMEOUT gave up
+            self.failure, self.peer_silent = self.failure or UNANSWERED, True
 
     def _drop(self, err: IntegrityError) -> None:
         """Tell the peer (unless it told us) and drop the connection: nothing more is read."""
