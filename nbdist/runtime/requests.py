@@ -49,13 +49,22 @@ def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
     return Request("run", payload, f"run {name}", segs, naming.texts)
 
 
+#: sources that compiled here (up to 256, each up to 64 KiB; then it starts over)
+_COMPILED: Dict[str, None] = {}
+
+
 def exec_request(source: str, filename: str) -> Request:
     """Python ``source`` run in the ranks' namespace (a SyntaxError shows here, no round trip).
     Source written in the notebook cell that sent it runs under the cell's name, at its lines
     there (:func:`.cells.locate`); other source under ``filename``."""
     if not isinstance(source, str):
         raise TypeError(f"source must be a str of Python code, got {type(source).__name__}")
-    compile(source, filename, "exec")
+    if source not in _COMPILED:  # the same source again (a loop, a cell re-run): checked once
+        compile(source, filename, "exec")
+        if len(source) <= 65536:
+            if len(_COMPILED) >= 256:
+                _COMPILED.clear()  # (atomic: another thread's call may be here too)
+            _COMPILED[source] = None
     found = cells.locate(source)
     if found is None or not found[1]:  # the source's own text, under its own name
         name = filename if found is None else found[0]

@@ -136,3 +136,21 @@ def test_large_payloads_are_not_kept_and_the_cache_is_bounded():
         fn, _ = notebook(f"def f():\n    return {i}\n")
         payload(fn)
     assert len(fnbytes._kept) == fnbytes.MAX_ENTRIES
+
+
+def test_exec_source_is_compiled_here_once_and_a_syntax_error_every_time(monkeypatch):
+    compiled = []
+
+    def counting(source, filename, mode):
+        compiled.append(source)
+        return compile(source, filename, mode)
+
+    monkeypatch.setattr(requests, "_COMPILED", {})
+    monkeypatch.setattr(requests, "compile", counting, raising=False)
+    for _ in range(3):
+        assert requests.exec_request("x = 1\n", "<dist-cell-1>").payload[0] == "x = 1\n"
+    assert compiled == ["x = 1\n"]
+    for _ in range(2):
+        with pytest.raises(SyntaxError):
+            requests.exec_request("x = (\n", "<dist-cell-2>")
+    assert compiled == ["x = 1\n", "x = (\n", "x = (\n"]
