@@ -15,8 +15,9 @@ This module keeps the bytes of such calls and checks, before each reuse, that th
 * the function has no attributes of its own, no annotations and no keyword-only defaults;
 * its name, qualified name, module and doc string are the ones it had, cells are named by the same
   hook (:data:`.cells.CELLS`), no module was imported or removed meanwhile (cloudpickle also
-  writes which imported submodules the code reaches), and no module is registered to travel by
-  value (:func:`cloudpickle.register_pickle_by_value`).
+  writes which imported submodules the code reaches), the modules registered to travel by value
+  (:func:`cloudpickle.register_pickle_by_value`) are the same, and none of those it reads is one
+  of them (or in one of them).
 
 Anything else -- a function that reads a list, a tensor, a model, another notebook function, or
 takes arguments -- is pickled afresh on every call, as before. Nothing here changes what the
@@ -52,7 +53,7 @@ def _names(code: types.CodeType) -> tuple:
     return tuple(out)
 
 
-def _state(fn: types.FunctionType, names: tuple) -> Optional[tuple]:
+def _state(fn: types.FunctionType, names: tuple, by_value: set) -> Optional[tuple]:
     """Every object ``fn``'s bytes are made from, in a fixed order; ``None`` where one of them
     could change in place or ``fn`` has what this module does not follow."""
     if fn.__dict__ or fn.__kwdefaults__ or fn.__annotations__:
@@ -63,12 +64,12 @@ def _state(fn: types.FunctionType, names: tuple) -> Optional[tuple]:
         closure = tuple(c.cell_contents for c in fn.__closure__ or ())
     except ValueError:  # a cell not filled yet
         return None
-    return (cells.CELLS, len(sys.modules), fn.__name__, fn.__qualname__, fn.__module__,
+    return (cells.CELLS, len(sys.modules), by_value, fn.__name__, fn.__qualname__, fn.__module__,
             fn.__doc__, len(defaults), *defaults, *closure, *(g.get(n, _MISSING) for n in _BASE),
             *(g.get(n, _MISSING) for n in names))
 
 
-_HEAD = 7  #: a state's entries before its values: compared by equality (the values: identity)
+_HEAD = 8  #: a state's entries before its values: compared by equality (the values: identity)
 
 
 def _same(kept: tuple, now: tuple) -> bool:
@@ -76,10 +77,13 @@ def _same(kept: tuple, now: tuple) -> bool:
         a is b for a, b in zip(kept[_HEAD:], now[_HEAD:]))
 
 
-def _fixed(value: Any) -> bool:
+def _fixed(value: Any, by_value: set) -> bool:
     if value is _MISSING or type(value) in _PLAIN:
         return True
-    return isinstance(value, types.ModuleType) and sys.modules.get(value.__name__) is value
+    if not isinstance(value, types.ModuleType) or sys.modules.get(value.__name__) is not value:
+        return False
+    name = value.__name__  # travels by name, unless it (or its package) is registered by value
+    return not any(name == m or name.startswith(m + ".") for m in by_value)
 
 
 def find(fn: Callable, args, kwargs) -> Tuple[Optional[tuple], Optional[tuple]]:
@@ -87,17 +91,17 @@ def find(fn: Callable, args, kwargs) -> Tuple[Optional[tuple], Optional[tuple]]:
     arguments and still valid (else ``None``); ``state`` is what to pass to :func:`keep` once the
     request is pickled (``None``: not to be kept). Taken before pickling, so a value changed by
     another thread meanwhile makes the next call pickle again."""
-    if args or kwargs or type(fn) is not types.FunctionType \
-            or cloudpickle.list_registry_pickle_by_value():
+    if args or kwargs or type(fn) is not types.FunctionType:
         return None, None
     entry = _kept.get(id(fn.__code__))
     names = entry[1] if entry is not None and entry[0] is fn.__code__ else _names(fn.__code__)
-    state = _state(fn, names)
+    by_value = cloudpickle.list_registry_pickle_by_value()
+    state = _state(fn, names, by_value)
     if state is None:
         return None, None
     if entry is not None and entry[0] is fn.__code__ and _same(entry[2], state):
         return (entry[3], entry[4]), None
-    if not all(_fixed(v) for v in state[_HEAD:]):  # defaults, closure, globals
+    if not all(_fixed(v, by_value) for v in state[_HEAD:]):  # defaults, closure, globals
         return None, None
     return None, (fn.__code__, names, state)
 

@@ -100,20 +100,45 @@ def test_keyword_only_defaults_and_arguments_are_never_kept():
         requests.run_request(f, (), {"x": 4}, PREFIX).payload
 
 
-def test_an_import_or_a_module_registered_by_value_invalidates():
+def test_an_import_invalidates():
     f, _ = notebook("import math\ndef f():\n    return math.pi\n")
     first = payload(f)
+    assert payload(f) is first
     mod = types.ModuleType("nbdist_test_fnbytes_new")
     sys.modules[mod.__name__] = mod  # cloudpickle names the imported submodules a code reaches
     try:
         assert payload(f) is not first
-        cloudpickle.register_pickle_by_value(mod)
+    finally:
+        del sys.modules[mod.__name__]
+
+
+def test_a_module_registered_by_value_is_never_kept_and_others_do_not_matter():
+    # (other test modules of the suite register themselves by value: nothing here assumes none)
+    mod = types.ModuleType("nbdist_test_fnbytes_mod")
+    mod.K = 1
+    other = types.ModuleType("nbdist_test_fnbytes_other")
+    sys.modules[mod.__name__] = mod
+    sys.modules[other.__name__] = other
+    try:
+        f, ns = notebook("def f():\n    return mod.K\n")
+        ns["mod"] = mod
+        assert payload(f) is payload(f)  # an imported module travels by name
+        cloudpickle.register_pickle_by_value(other)
         try:
+            first = payload(f)  # the registry changed: pickled again, then kept
+            assert payload(f) is first and called(first) == 1
+        finally:
+            cloudpickle.unregister_pickle_by_value(other)
+        cloudpickle.register_pickle_by_value(mod)  # now it travels by value, its dict with it
+        try:
+            assert called(payload(f)) == 1
+            mod.K = 2
+            assert called(payload(f)) == 2
             assert payload(f) is not payload(f)
         finally:
             cloudpickle.unregister_pickle_by_value(mod)
     finally:
-        del sys.modules[mod.__name__]
+        del sys.modules[mod.__name__], sys.modules[other.__name__]
 
 
 def test_a_new_cell_hook_names_the_code_again(monkeypatch):
