@@ -49,7 +49,9 @@ def test_sharded_strategies_to_the_byte(report):
     for name, counters in (("fsdp", 2), ("fsdp_grad_op", 2), ("fsdp2", 4)):
         for r in by(report, name):
             assert (r.params, r.grads, r.optimizer) == (2 * PSI, 2 * PSI, 4 * PSI + counters * STEP)
-            assert r.other <= 64  # FSDP2 keeps a scalar or two; nothing model-sized
+            # FSDP2 keeps a scalar or two; nothing model-sized (seen once in a suite run: 16,648
+            # bytes on rank 0; the message now says what the rank saw)
+            assert r.other <= 64, (name, r.rank, r.other, r.notes)
 
 
 @pytest.mark.parametrize("name", ["ddp", "zero1", "fsdp", "fsdp2"])
