@@ -299,7 +299,7 @@ class Group(Dispatch):
     def call(self, fn: Callable, args: Sequence = (), kwargs: Optional[Dict[str, Any]] = None,
              ranks: Optional[Iterable[int]] = None, timeout: Optional[float] = None) -> List[Any]:
         """Like :meth:`run`, on the chosen ``ranks`` (default all) and with a ``timeout`` (s)."""
-        return self._call(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout)
+        return self._call(requests.run_request(fn, args, kwargs, self._prefix_now), ranks, timeout)
 
     def exec(self, source: str, ranks: Optional[Iterable[int]] = None,
              timeout: Optional[float] = None) -> List[Any]:
@@ -327,7 +327,7 @@ class Group(Dispatch):
         """Start ``fn(*args, **kwargs)`` on the ranks in the background; return a :class:`Job`
         at once. Other calls on the group raise :class:`GroupBusyError` until the job ends.
         ``ranks`` and ``timeout`` are this method's own (as in :meth:`call`)."""
-        return self._submit(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout,
+        return self._submit(requests.run_request(fn, args, kwargs, self._prefix_now), ranks, timeout,
                             getattr(fn, "__name__", "job"))
 
     def submit_exec(self, source: str, ranks: Optional[Iterable[int]] = None,
@@ -366,6 +366,9 @@ class Group(Dispatch):
 
     @property
     def _prefix(self) -> Optional[str]:
+        return self._prefix_now()
+
+    def _prefix_now(self) -> Optional[str]:
         return segments.shm_prefix(self.id, "c") if segments.shared_files() else None
 
     # ---- status -------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import keyword
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Union
 
 from ..wire import serialize
 from . import cells, fnbytes
@@ -33,8 +33,9 @@ def _pickle(obj: Any, what: str, prefix: str, naming: Optional[cells.Naming] = N
 
 
 def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
-                prefix: str) -> Request:
-    """``fn(*args, **kwargs)`` on the ranks; ``fn`` travels by value."""
+                prefix: Union[Optional[str], Callable[[], Optional[str]]]) -> Request:
+    """``fn(*args, **kwargs)`` on the ranks; ``fn`` travels by value. ``prefix``: the segment
+    prefix for its tensors, or a function that gives it (asked only if ``fn`` is pickled)."""
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = getattr(fn, "__qualname__", type(fn).__name__)
@@ -42,8 +43,8 @@ def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
     if hit is not None:
         return Request("run", hit[0], f"run {name}", [], dict(hit[1]))
     naming = cells.Naming()  # code from notebook cells keeps its cell's name and text
-    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}", prefix,
-                            naming)
+    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}",
+                            prefix() if callable(prefix) else prefix, naming)
     if not segs:
         fnbytes.keep(state, payload, naming.texts)
     return Request("run", payload, f"run {name}", segs, naming.texts)

@@ -167,12 +167,14 @@ def sent_counts() -> Dict[str, int]:
     """Worker side: frames sent so far per sealed stream (``{}`` where none is sealed). Sent to
     the caller before a reply, so it shows all of a call's output before it ends the call, although
     the streams and the reply travel on different connections."""
-    return {pump.name: pump.sent for pump in PUMPS if pump.seal is not None}
+    return {pump.name: pump.sent for pump in PUMPS if pump.seal is not None} if PUMPS else {}
 
 
 def drain_pumps(timeout: float = 5.0) -> None:
     """Worker side: wait until every pump sent what was written so far (no-op without pumps).
     Every marker is written before any is waited for: the pumps forward them side by side."""
+    if not PUMPS:  # fds 1 and 2 are the sockets themselves: nothing in between to wait for
+        return
     marks = [(pump, pump.mark()) for pump in PUMPS]
     deadline = time.monotonic() + timeout
     for pump, want in marks:
