@@ -39,14 +39,15 @@ def run_request(fn: Callable, args: Sequence, kwargs: Optional[Dict[str, Any]],
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {type(fn).__name__}")
     name = getattr(fn, "__qualname__", type(fn).__name__)
-    hit, state = fnbytes.find(fn, args, kwargs)  # the same function again: its bytes again
+    args, kwargs = tuple(args), dict(kwargs or {})
+    hit, plan = fnbytes.find(fn, args, kwargs)  # the same function again: its bytes again
     if hit is not None:
         return Request("run", hit[0], f"run {name}", [], dict(hit[1]))
     naming = cells.Naming()  # code from notebook cells keeps its cell's name and text
-    payload, segs = _pickle((fn, tuple(args), dict(kwargs or {})), f"function {name}",
+    payload, segs = _pickle((fn if plan is None else plan.copy, args, kwargs), f"function {name}",
                             prefix() if callable(prefix) else prefix, naming)
-    if not segs:
-        fnbytes.keep(state, payload, naming.texts)
+    if plan is not None and not segs:
+        fnbytes.keep(plan, payload, naming.texts)
     return Request("run", payload, f"run {name}", segs, naming.texts)
 
 

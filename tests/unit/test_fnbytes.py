@@ -179,3 +179,71 @@ def test_exec_source_is_compiled_here_once_and_a_syntax_error_every_time(monkeyp
         with pytest.raises(SyntaxError):
             requests.exec_request("x = (\n", "<dist-cell-2>")
     assert compiled == ["x = 1\n", "x = (\n", "x = (\n"]
+
+
+def test_a_value_changed_while_the_bytes_are_made_never_stays_in_them():
+    # The segment prefix is asked for between the look-up and the pickling: another thread could
+    # run there. What is kept is made from the values read at the look-up, so it matches them.
+    f, ns = notebook("STOP = False\ndef f():\n    return STOP\n")
+
+    def switch():
+        ns["STOP"] = True  # "another thread" sets it...
+        return PREFIX
+
+    assert called(requests.run_request(f, (), None, switch).payload) is False
+    ns["STOP"] = False  # ...and back (False is a singleton: the same object again)
+    assert called(payload(f)) is False
+    ns["STOP"] = True
+    assert called(payload(f)) is True
+
+
+def test_functions_that_travel_by_reference_are_not_kept():
+    lib = types.ModuleType("nbdist_test_fnbytes_lib")  # an importable module's function...
+    exec("def f():\n    return 1\n", lib.__dict__)
+    sys.modules[lib.__name__] = lib
+    try:
+        f = lib.f
+        first = payload(f)
+        assert payload(f) is not first
+        lib.f = lambda: 2  # ...replaced there: cloudpickle now sends f itself, by value
+        assert called(payload(f)) == 1 and payload(f) != first
+    finally:
+        del sys.modules[lib.__name__]
+
+
+def test_what_the_bytes_say_is_compared_by_identity_not_equality():
+    f, _ = notebook("def f():\n    return 1\n")
+    f.__doc__ = "one"
+    first = payload(f)
+    f.__doc__ = "".join(["o", "ne"])  # equal, another object
+    assert payload(f) is not first
+    f.__doc__ = ["v1"]
+    assert called(payload(f)) == 1 and payload(f) is not payload(f)  # mutable: never kept
+
+
+def test_a_submodule_registered_by_value_is_not_kept_through_its_package():
+    pkg = types.ModuleType("nbdist_test_fnbytes_pkg")
+    pkg.__path__ = []
+    sub = types.ModuleType("nbdist_test_fnbytes_pkg.sub")
+    pkg.sub = sub
+    sys.modules[pkg.__name__], sys.modules[sub.__name__] = pkg, sub
+    try:
+        f, ns = notebook("def f():\n    return pkg.sub\n")
+        ns["pkg"] = pkg
+        assert payload(f) is payload(f)
+        cloudpickle.register_pickle_by_value(sub)
+        try:
+            assert payload(f) is not payload(f)
+        finally:
+            cloudpickle.unregister_pickle_by_value(sub)
+    finally:
+        del sys.modules[pkg.__name__], sys.modules[sub.__name__]
+
+
+def test_arguments_are_taken_as_a_sequence_not_tested_for_truth():
+    class Ambiguous(tuple):
+        def __bool__(self):
+            raise ValueError("the truth value is ambiguous")
+
+    f, _ = notebook("def f(a, b):\n    return a + b\n")
+    assert called(requests.run_request(f, Ambiguous((1, 2)), None, PREFIX).payload) == 3
