@@ -24,6 +24,9 @@ function itself, so a value another thread changes while they are made cannot ge
 unseen. Anything else -- a function that reads a list, a tensor, a model, another notebook
 function, or takes arguments -- is pickled afresh on every call, as before. Nothing here changes
 what the ranks receive: only whether it is pickled again.
+
+Threads: any thread making a call may look up and keep; each entry is put and read whole (one dict
+operation under the GIL), so no lock is taken.
 """
 from __future__ import annotations
 
