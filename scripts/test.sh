@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run every test (creates the venv first if needed): with no arguments, in two pytest processes
-# side by side (scripts/test_streams.py; about 15-16 min instead of 23-24 on 2 cores), which is
+# side by side (scripts/test_streams.py; 15-18 min instead of 23-24 on 2 cores), which is
 # what CI runs; NBDIST_TEST_STREAMS=0 for one pytest. Arguments: one pytest with them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
