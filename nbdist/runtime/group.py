@@ -299,7 +299,7 @@ class Group(Dispatch):
     def call(self, fn: Callable, args: Sequence = (), kwargs: Optional[Dict[str, Any]] = None,
              ranks: Optional[Iterable[int]] = None, timeout: Optional[float] = None) -> List[Any]:
         """Like :meth:`run`, on the chosen ``ranks`` (default all) and with a ``timeout`` (s)."""
-        return self._call(requests.run_request(fn, args, kwargs, self._prefix_now), ranks, timeout)
+        return self._call(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout)
 
     def exec(self, source: str, ranks: Optional[Iterable[int]] = None,
              timeout: Optional[float] = None) -> List[Any]:
@@ -315,7 +315,7 @@ class Group(Dispatch):
 
         CPU tensors travel through shared memory; every rank gets its own copy.
         """
-        self._call(requests.push_request(dict(values or {}, **kwargs), self._prefix), ranks, None)
+        self._call(requests.push_request(dict(values or {}, **kwargs), self._prefix()), ranks, None)
 
     def pull(self, *names: str, ranks: Optional[Iterable[int]] = None) -> List[Any]:
         """Get variables from the ranks: one name -> ``[value_rank0, ...]``; several -> tuples."""
@@ -327,7 +327,7 @@ class Group(Dispatch):
         """Start ``fn(*args, **kwargs)`` on the ranks in the background; return a :class:`Job`
         at once. Other calls on the group raise :class:`GroupBusyError` until the job ends.
         ``ranks`` and ``timeout`` are this method's own (as in :meth:`call`)."""
-        return self._submit(requests.run_request(fn, args, kwargs, self._prefix_now), ranks, timeout,
+        return self._submit(requests.run_request(fn, args, kwargs, self._prefix), ranks, timeout,
                             getattr(fn, "__name__", "job"))
 
     def submit_exec(self, source: str, ranks: Optional[Iterable[int]] = None,
@@ -364,11 +364,9 @@ class Group(Dispatch):
         """What the ranks logged (``nbdist.log``) during the last call."""
         return self._last_call.metrics if self._last_call is not None else Metrics()
 
-    @property
     def _prefix(self) -> Optional[str]:
-        return self._prefix_now()
-
-    def _prefix_now(self) -> Optional[str]:
+        """The prefix of the shared-memory segments this kernel writes for the group's ranks
+        (``None``: tensors travel inside the messages)."""
         return segments.shm_prefix(self.id, "c") if segments.shared_files() else None
 
     # ---- status -------------------------------------------------------------------------------

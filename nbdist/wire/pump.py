@@ -167,7 +167,7 @@ def sent_counts() -> Dict[str, int]:
     """Worker side: frames sent so far per sealed stream (``{}`` where none is sealed). Sent to
     the caller before a reply, so it shows all of a call's output before it ends the call, although
     the streams and the reply travel on different connections."""
-    return {pump.name: pump.sent for pump in PUMPS if pump.seal is not None} if PUMPS else {}
+    return {pump.name: pump.sent for pump in PUMPS if pump.seal is not None}
 
 
 def drain_pumps(timeout: float = 5.0) -> None:
