@@ -32,7 +32,7 @@ from typing import Any, Dict, List, Optional
 from ..errors import (DistTimeoutError, GroupInterrupted, RankDiedError, RemoteError,
                       RemoteFailure, hint_for, ranks_phrase)
 from ..wire import pool, serialize, transport
-from ..wire.deadline import Deadline, poll_until
+from ..wire.deadline import WAKE_S, Deadline, poll_until
 from . import cells, rankpdb, recorder, stacks
 from .metrics import Metrics
 from .ranks import RankSet
@@ -164,8 +164,10 @@ class Call(Waiter):
         """Block until the outcome is known; return it (also kept in :attr:`outcome`).
 
         ``tick``: wake at least this often to notice :meth:`cancel` (background jobs), and call
-        ``on_tick()`` each time (a job's stall watch, :class:`~nbdist.runtime.stacks.StallWatch`).
-        While a rank of a job waits at a breakpoint (:attr:`pauses`), the deadline waits too.
+        ``on_tick()`` each time (a job's stall watch, :class:`~nbdist.runtime.stacks.StallWatch`);
+        at most :data:`~nbdist.wire.deadline.WAKE_S` (a SIGINT the OS gave another thread is
+        raised here within that). While a rank of a job waits at a breakpoint (:attr:`pauses`),
+        the deadline waits too.
         """
         if self.outcome is not None:  # interrupted while sending
             return self.outcome
@@ -182,9 +184,8 @@ class Call(Waiter):
                 if remaining is not None and remaining <= 0:
                     self.outcome = TIMEOUT
                     return self.outcome
-                if tick is not None:
-                    remaining = tick if remaining is None else min(remaining, tick)
-                self.poll(rs, remaining)
+                step = WAKE_S if tick is None else min(tick, WAKE_S)
+                self.poll(rs, step if remaining is None else min(remaining, step))
                 if on_tick is not None:
                     on_tick()
         except KeyboardInterrupt:

@@ -13,7 +13,14 @@ from __future__ import annotations
 import time
 from typing import Callable, Optional
 
-__all__ = ["Deadline", "poll_until"]
+__all__ = ["Deadline", "WAKE_S", "poll_until"]
+
+#: the longest a wait that Ctrl-C must be able to end blocks in one go. The OS hands a SIGINT sent
+#: to the process to any thread that does not block it -- the main thread nearly always, another
+#: now and then -- and Python runs the handler (``KeyboardInterrupt``) only once the main thread
+#: runs Python code again: a main thread blocked in ``select()`` or on a lock with no timeout would
+#: sleep through it until something else woke it.
+WAKE_S = 0.25
 
 
 class Deadline:
