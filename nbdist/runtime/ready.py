@@ -19,6 +19,7 @@ import cloudpickle
 from ..errors import (DistTimeoutError, ExitStatus, NbdistError, RankDiedError, RemoteError,
                       RemoteFailure, ranks_phrase)
 from ..wire import transport
+from ..wire.deadline import WAKE_S
 from ..wire.relay import OutputRelay
 from .advice import option
 from .processes import select_exits, watch_exits
@@ -85,7 +86,8 @@ def accept_until_ready(listener: socket.socket, key: bytes, world_size: int,
                 missing = [r for r in range(world_size)
                            if r not in ranks or ranks[r].state != "idle"]
                 raise DistTimeoutError(admission.timed_out(missing, ranks, timeout), missing)
-            for (what, idx), fileobj in select_exits(sel, polled, remaining):
+            # (at most WAKE_S at a time: a Ctrl-C the OS gave another thread acts)
+            for (what, idx), fileobj in select_exits(sel, polled, min(remaining, WAKE_S)):
                 if what == "dead" and idx in dead:
                     continue
                 if what == "wake":

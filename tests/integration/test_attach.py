@@ -12,6 +12,7 @@ import nbdist
 
 # tests/integration, on sys.path
 from attach_helpers import Cluster, free_port as _free_port, veth_node
+from threaded import ctrl_c_elsewhere
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -64,6 +65,18 @@ def test_a_dying_remote_rank_is_reported_with_its_node(cluster):
                            "t = torch.ones(10); dist.all_reduce(t)")
     text = str(info.value)
     assert "rank 1" in text and "lost its connection" in text and "node going down" in text
+
+
+def test_a_ctrl_c_another_thread_received_stops_the_wait_for_ranks_to_join(tmp_path):
+    """Was: attach() slept in select() until a rank came or join_timeout passed (600 s by
+    default; 24 h for SLURM and Kubernetes jobs) when the OS gave the SIGINT to another thread."""
+    key_file = tmp_path / "key.hex"
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_elsewhere(1.0, ready=key_file.exists):  # (written before attach() listens)
+            nbdist.attach(1, listen=f"127.0.0.1:{_free_port()}", key_file=str(key_file),
+                          join_timeout=120, progress=False)
+    assert time.monotonic() - began < 60  # (was: the whole join_timeout)
 
 
 def test_a_worker_with_the_wrong_key_is_refused(tmp_path):

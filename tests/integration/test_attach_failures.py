@@ -23,6 +23,7 @@ from nbdist.wire.relay import ABORT_EXIT_CODE
 from attach_helpers import (Cluster, controller, free_port, kill_tree, torchrun, wait_all,
                             wait_attached)
 from test_attach import netns  # noqa: F401 -- the fixture: a network namespace "node"
+from threaded import ctrl_c_elsewhere
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -241,6 +242,28 @@ def test_a_restart_that_never_comes_is_reported_after_join_timeout(tmp_path):
         with pytest.raises(nbdist.NbdistError, match="no new generation of ranks joined within "
                                                      "6 s .did torchrun restart them"):
             c.group.run(lambda: 1)
+    finally:
+        c.close(wait=5)
+
+
+def test_a_ctrl_c_another_thread_received_stops_the_wait_for_a_restart(tmp_path):
+    """Was: the wait for torchrun's next generation slept until join_timeout (600 s by default)
+    when the OS gave the SIGINT to another thread."""
+    c = Cluster(tmp_path, nnodes=1, nproc=1, max_restarts=1, join_timeout=120)
+    try:
+        workers = [r.pid for r in c.group.status().ranks]
+        for p in c.nodes:  # nothing will restart
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for pid in workers:
+            os.kill(pid, signal.SIGKILL)
+        with pytest.raises(nbdist.RankDiedError):
+            c.group.run(lambda: 1)
+        began = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            with ctrl_c_elsewhere(1.0):
+                c.group.run(lambda: 1)  # waits for a generation that never comes
+        assert time.monotonic() - began < 60  # (was: the whole join_timeout)
     finally:
         c.close(wait=5)
 

@@ -16,6 +16,9 @@ import nbdist
 from nbdist.runtime import calls, jobs, output
 from nbdist.wire import transport
 
+# tests/integration, on sys.path
+from threaded import ctrl_c_elsewhere
+
 pytestmark = pytest.mark.timeout(120)
 
 ALL_REDUCE = "t = torch.ones(1); dist.all_reduce(t); t.item()"
@@ -268,47 +271,35 @@ def test_ctrl_c_while_a_death_is_reported(group, monkeypatch):
 
 
 # ---- a SIGINT the OS hands to another thread --------------------------------------------------
-def ctrl_c_elsewhere(after: float) -> threading.Event:
-    """SIGINT, ``after`` s from now, to a thread of this process that is not the main one (the OS
-    may deliver a process's SIGINT to any thread that does not block it). Python runs the handler
-    on the main thread only, and only once that thread runs Python code again. Set the returned
-    event to end the bystander thread."""
-    done = threading.Event()
-    bystander = threading.Thread(target=done.wait, daemon=True)
-    bystander.start()
-    threading.Timer(after, signal.pthread_kill, (bystander.ident, signal.SIGINT)).start()
-    return done
-
-
-def test_a_ctrl_c_another_thread_received_stops_a_blocking_call(group):
+def test_a_ctrl_c_another_thread_received_stops_a_blocking_call(group, tmp_path):
     """Was: the caller slept on in select() until the ranks replied -- here when the nap ended;
     in the suite, test_attach's interrupt took the whole 60 s nap 3 runs in 17."""
-    done = ctrl_c_elsewhere(1.0)
-    try:
-        err = interrupted(group.exec, "import time\nnapped = False\ntime.sleep(60)\nnapped = True")
-    finally:
-        done.set()
+    started = tmp_path / "started"
+    group.push(napped=False)
+    with ctrl_c_elsewhere(0.5, ready=started.exists):
+        err = interrupted(group.exec, f"import time\nopen({str(started)!r}, 'a').close()\n"
+                                      "time.sleep(60)\nnapped = True")
     assert "stopped on SIGINT; the group is still usable" in str(err), str(err)
-    assert group.exec("napped") == [False, False]  # the nap was cut short, not waited out
+    assert group.pull("napped") == [False, False]  # the nap was cut short, not waited out
     check_afterwards(group, usable=True)
 
 
 def test_a_ctrl_c_another_thread_received_stops_the_wait_for_a_blocked_sink():
     """A sink that blocks holds the end of the call; Ctrl-C ends that wait (the call's results
     are lost, the group is kept) even when the OS gave the SIGINT to another thread."""
-    release, released_late = threading.Event(), []
+    entered, release, released_late = threading.Event(), threading.Event(), []
 
     def sink(rank, stream, text):
+        entered.set()
         if not release.wait(60):
             released_late.append(rank)
 
     with nbdist.start(2, output=sink) as g:
-        done = ctrl_c_elsewhere(1.0)
         try:
-            err = interrupted(g.exec, "print('held')")
+            with ctrl_c_elsewhere(0.5, ready=entered.is_set):
+                err = interrupted(g.exec, "print('held')")
         finally:
             release.set()
-            done.set()
         assert "interrupted while the output of 'exec' was shown" in str(err), str(err)
         assert not released_late  # the wait ended before the sink gave up
         check_afterwards(g, usable=True)

@@ -1,6 +1,10 @@
 """What the tests that stop or interrupt a group from another thread share (tests/integration, on
-sys.path while they run): a call run on a thread of its own, and how long to wait for it."""
+sys.path while they run): a call run on a thread of its own, how long to wait for it, and a
+Ctrl-C that the OS hands to a thread other than the main one."""
+import contextlib
+import signal
 import threading
+import time
 
 #: How long a test waits for a call that must end while something else stays blocked: a liveness
 #: bound (the call ends within about a second), not a speed target.
@@ -20,3 +24,36 @@ def in_thread(fn, *args, **kwargs):
     thread = threading.Thread(target=run)
     thread.start()
     return thread, box
+
+
+@contextlib.contextmanager
+def ctrl_c_elsewhere(after: float, ready=lambda: True):
+    """Within the block: SIGINT to a thread of this process that is not the main one, ``after`` s
+    after ``ready()`` first holds (polled; at most 60 s). The OS may deliver a process's SIGINT to
+    any thread that does not block it; Python runs the handler on the main thread only, once that
+    thread runs Python code again. Nothing is sent once the block has ended."""
+    lock, done, release = threading.Lock(), threading.Event(), threading.Event()
+    bystander = threading.Thread(target=release.wait, daemon=True)
+    bystander.start()
+
+    def send():
+        end = time.monotonic() + 60
+        while not ready():
+            if time.monotonic() > end or done.wait(0.05):
+                return
+        if done.wait(after):
+            return
+        with lock:  # the bystander still runs: the block has not ended
+            if not done.is_set():
+                signal.pthread_kill(bystander.ident, signal.SIGINT)
+
+    sender = threading.Thread(target=send, daemon=True)
+    sender.start()
+    try:
+        yield
+    finally:
+        with lock:
+            done.set()
+        sender.join()
+        release.set()
+        bystander.join()
