@@ -239,9 +239,11 @@ def test_a_restart_that_never_comes_is_reported_after_join_timeout(tmp_path):
             os.kill(pid, signal.SIGKILL)
         with pytest.raises(nbdist.RankDiedError):
             c.group.run(lambda: 1)
+        began = time.monotonic()
         with pytest.raises(nbdist.NbdistError, match="no new generation of ranks joined within "
                                                      "6 s .did torchrun restart them"):
             c.group.run(lambda: 1)
+        assert time.monotonic() - began >= 6  # it waited the whole join_timeout
     finally:
         c.close(wait=5)
 
