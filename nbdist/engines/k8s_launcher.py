@@ -24,6 +24,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import NbdistError
 from ..runtime.attach import AttachLauncher
 from ..runtime.ready import AdmissionStopped
+from ..wire.deadline import WAKE_S
 from . import k8s_api
 from .admission import EngineAdmission, EngineProcess
 from .k8s_manifests import Manifests, selector
@@ -129,7 +130,12 @@ class K8sLauncher(AttachLauncher):
         self.created.append(("Job", m.namespace, name))
         wait = _Wait(self.api, m, 1, self.progress, pod=name)
         try:
-            wait.done.wait(self.join_timeout)
+            # in steps of WAKE_S: a Ctrl-C the OS gave another thread acts (a pod may stay
+            # Pending for the whole join_timeout, 24 h by default)
+            end = time.monotonic() + self.join_timeout
+            while not wait.done.wait(min(WAKE_S, max(0.0, end - time.monotonic()))) and \
+                    time.monotonic() < end:
+                pass
         finally:
             wait.close()
         phase = wait.phase

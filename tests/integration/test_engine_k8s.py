@@ -23,6 +23,7 @@ import time
 import pytest
 import torch  # noqa: F401 -- imported before any Ctrl-C test: a SIGINT mid-import breaks torch
 from k8s_helpers import Controller, Emulator
+from threaded import ctrl_c_elsewhere
 
 import nbdist
 from nbdist.engines import k8s_api
@@ -150,6 +151,17 @@ def test_the_wait_shows_the_schedulers_reason_and_ctrl_c_deletes_everything(clus
            "Insufficient cpu." in err, err
     assert "deleted Kubernetes Job nbdist-" in err and "(Ctrl-C while its ranks were joining)" \
         in err
+
+
+def test_a_ctrl_c_another_thread_received_ends_a_preflight_whose_pod_never_comes(cluster):
+    """No controller: the preflight Job's pod is never made, as for a pod Pending for good. Was:
+    the wait went on until join_timeout when the OS gave the SIGINT to another thread."""
+    began = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        with ctrl_c_elsewhere(2.0):
+            nbdist.start(2, on="k8s", timeout=30, progress=False, join_timeout=120)
+    assert time.monotonic() - began < 60  # (was: the whole join_timeout)
+    assert group_objects(cluster) == NOTHING
 
 
 def test_a_preflight_that_cannot_connect_names_the_usual_causes(cluster):
