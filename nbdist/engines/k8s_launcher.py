@@ -24,7 +24,7 @@ from typing import Callable, Dict, List, Optional
 from ..errors import NbdistError
 from ..runtime.attach import AttachLauncher
 from ..runtime.ready import AdmissionStopped
-from ..wire.deadline import WAKE_S
+from ..wire.deadline import WAKE_S, Deadline, poll_until
 from . import k8s_api
 from .admission import EngineAdmission, EngineProcess
 from .k8s_manifests import Manifests, selector
@@ -132,10 +132,7 @@ class K8sLauncher(AttachLauncher):
         try:
             # in steps of WAKE_S: a Ctrl-C the OS gave another thread acts (a pod may stay
             # Pending for the whole join_timeout, 24 h by default)
-            end = time.monotonic() + self.join_timeout
-            while not wait.done.wait(min(WAKE_S, max(0.0, end - time.monotonic()))) and \
-                    time.monotonic() < end:
-                pass
+            poll_until(wait.done.is_set, wait.done.wait, Deadline(self.join_timeout), cap=WAKE_S)
         finally:
             wait.close()
         phase = wait.phase

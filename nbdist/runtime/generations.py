@@ -28,7 +28,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from ..errors import NbdistError
 from ..wire import locks
-from ..wire.deadline import WAKE_S, Deadline
+from ..wire.deadline import WAKE_S, Deadline, poll_until
 from ..wire.relay import OutputRelay
 from .ranks import ASKED_S, Rank
 from .reaper import reap_ranks
@@ -69,7 +69,9 @@ class Regenerator:
     def take(self, timeout: float) -> Generation:
         """Wait up to ``timeout`` s for the next generation; return it (the caller owns it now)."""
         with self._cond:
-            if not _wait_for(self._cond, lambda: self._ready is not None or self._closed, timeout):
+            # (in steps of WAKE_S: a Ctrl-C the OS gave another thread acts)
+            if not poll_until(lambda: self._ready is not None or self._closed, self._cond.wait,
+                              Deadline(timeout), cap=WAKE_S):
                 raise NbdistError(f"no new generation of ranks joined within {timeout:.0f} s "
                                   "(did torchrun restart them? its --max-restarts may be used up); "
                                   "call stop(), then nbdist.attach() again.")
@@ -194,12 +196,3 @@ def end_generation(ranks: List[Rank], relay: OutputRelay,
 #: seconds closing the generations takes at most, unless a stop's deadline says less
 CLOSE_S = 5.0
 
-
-def _wait_for(cond: threading.Condition, ready: Callable[[], bool], timeout: float) -> bool:
-    """``cond.wait_for(ready, timeout)`` in steps of at most
-    :data:`~nbdist.wire.deadline.WAKE_S` (a Ctrl-C the OS gave another thread acts)."""
-    end = time.monotonic() + timeout
-    while not cond.wait_for(ready, min(WAKE_S, max(0.0, end - time.monotonic()))):
-        if time.monotonic() >= end:
-            return False
-    return True

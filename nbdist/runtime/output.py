@@ -23,7 +23,7 @@ import time
 from typing import Callable, Deque, Dict, List, Optional
 
 from ..wire import locks
-from ..wire.deadline import WAKE_S
+from ..wire.deadline import WAKE_S, Deadline, poll_until
 from ..wire.relay import OutputRelay, Sink, default_sink
 from ..wire.repeats import RepeatFolder, Shown
 from .calls import Call
@@ -184,8 +184,9 @@ class SinkThread:
         with self._cond:
             if threading.current_thread() is not self._thread:  # a sink making a call: no wait
                 target = self._queued
-                while not self._cond.wait_for(lambda: self._delivered >= target, WAKE_S):
-                    pass  # (woken each WAKE_S: a Ctrl-C the OS gave another thread acts)
+                # (in steps of WAKE_S: a Ctrl-C the OS gave another thread acts)
+                poll_until(lambda: self._delivered >= target, self._cond.wait, Deadline(None),
+                           cap=WAKE_S)
 
     def _deliver(self) -> None:
         while True:
