@@ -100,6 +100,10 @@ class Interrupts:
         self.latest = -1  #: the latest request interrupted (the watchdog writes it)
         self.running: Optional[int] = None  #: the request whose code runs (the main thread's)
         self.delivered = 0  #: SIGINTs whose handler ran (the main thread's)
+        # held while the main thread moves between requests (``running`` and the mask change
+        # together) and while the watchdog decides to send a SIGINT and sends it: a SIGINT meant
+        # for a request never lands in another one's code
+        self._moving = locks.make("interrupts")
 
     def _raise(self, signum, frame):
         self.delivered += 1
@@ -108,32 +112,40 @@ class Interrupts:
     def begin(self, seq: int) -> None:
         """Main thread, before request ``seq``'s code: from here SIGINT raises KeyboardInterrupt,
         and an interrupt that overtook the request raises it at once."""
-        self.running = seq
-        sigint_to_user(self._raise)
+        with self._moving:
+            self.running = seq
+            sigint_to_user(self._raise)
         if self.latest >= seq:
             raise KeyboardInterrupt
 
     def end(self) -> None:
         """Main thread, once the code is over: SIGINT blocked and ignored again."""
-        self.running = None
-        sigint_ignored()
+        with self._moving:
+            self.running = None
+            sigint_ignored()
 
     def request(self, seq: int) -> None:
-        """Watchdog thread: interrupt request ``seq``."""
-        self.latest = max(self.latest, seq)
-        delivered = self.delivered
-        sigint_to_main(self.main_id)
-        if self.running == seq:
+        """Watchdog thread: interrupt request ``seq`` -- unless another request's code runs (the
+        interrupt was read late, on a loaded machine: ``seq`` is over, or its request never came)."""
+        with self._moving:
+            self.latest = max(self.latest, seq)
+            if self.running not in (None, seq):
+                return
+            delivered = self.delivered
+            sigint_to_main(self.main_id)  # idle: blocked and ignored, dropped at the next begin
+            running = self.running == seq
+        if running:
             threading.Thread(target=self._insist, args=(seq, delivered), daemon=True,
                              name="nbdist-interrupt").start()
 
     def _insist(self, seq: int, delivered: int) -> None:
         for pause in self.RESEND_S:
             time.sleep(pause)
-            if self.delivered != delivered or self.running != seq or \
-                    signal.getsignal(signal.SIGINT) != self._raise:  # the user's own handler
-                return
-            sigint_to_main(self.main_id)
+            with self._moving:
+                if self.delivered != delivered or self.running != seq or \
+                        signal.getsignal(signal.SIGINT) != self._raise:  # the user's own handler
+                    return
+                sigint_to_main(self.main_id)
 
 
 def recv_whole(channel):

@@ -32,12 +32,14 @@ from typing import List, Tuple
 #: rank's command and control sockets. Then the leaves, under which nothing else is taken:
 #: ``pauses`` (a job's ranks at a breakpoint), ``stacks`` (the ranks' stack answers),
 #: ``spares`` (the warm spares' list), ``main`` (the ``__main__`` swap while a process spawns),
-#: ``raising`` (a rank's SIGINT raised on Windows), ``segments`` (the shared-memory mappings this
-#: process holds, on Windows); last ``pool``: the pooled-segment release
+#: ``interrupts`` (a rank's move between requests, and its watchdog's SIGINT for one: only
+#: ``raising`` under it), ``raising`` (a rank's SIGINT raised on Windows), ``segments`` (the
+#: shared-memory mappings this process holds, on Windows); last ``pool``: the pooled-segment release
 #: hooks (taken from finalizers, which may run under any lock: must stay innermost).
 ORDER: Tuple[str, ...] = ("panel", "group", "ranks", "generations", "relay", "abort", "output",
                           "display", "sink", "metrics", "lifeline", "channel", "pauses",
-                          "stacks", "spares", "main", "raising", "segments", "pool")
+                          "stacks", "spares", "main", "interrupts", "raising", "segments",
+                          "pool")
 #: Names of which two different locks may nest: a generation's relay hands its streams to the
 #: group's relay (``OutputRelay.move_to``) holding its own lock; the group's never takes another.
 NESTABLE = frozenset({"relay"})

@@ -140,3 +140,19 @@ def test_without_pthread_kill_or_masks_the_handler_alone_decides(interrupts, mon
     watchdog(interrupts, 8).join()  # after the code: ignored again
     spin(0.3)
     assert interrupts.delivered == 1
+
+
+def test_an_interrupt_read_after_a_later_request_began_is_dropped(interrupts):
+    """The watchdog may read the interrupt of request 4 -- one whose request never came, as when
+    Ctrl-C hit a submit between two ranks' requests -- only once request 5's code runs (a loaded
+    machine). Was: the SIGINT went to the main thread all the same and request 5 raised
+    KeyboardInterrupt (its all_reduce was left half done on the other rank)."""
+    sigint_ignored()
+    interrupts.begin(5)
+    watchdog(interrupts, 4).join()
+    time.sleep(2 * sum(Interrupts.RESEND_S))  # nothing raised here, nothing sent again
+    interrupts.end()
+    assert interrupts.delivered == 0
+    interrupts.begin(6)  # and it does not wait for a later request either
+    time.sleep(0.05)
+    interrupts.end()
