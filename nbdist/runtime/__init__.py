@@ -131,10 +131,12 @@ Threading model
     :class:`~nbdist.runtime.stacks.StacksBox`: whichever thread reads a rank's channel posts its
     stack there; ``Group.stacks()`` reads the channels itself, under the group's lock, only when
     it could take that lock at once and no job runs), ``spares`` (:mod:`.spares`), ``main`` (the
-    ``__main__`` swap), ``raising`` (a rank's SIGINT on Windows) -> ``segments`` (the
+    ``__main__`` swap), ``interrupts`` (a rank's move between requests and its watchdog's
+    SIGINT for one, :class:`~nbdist.runtime.worker_signals.Interrupts`) -> ``raising`` (a rank's
+    SIGINT on Windows) -> ``segments`` (the
     shared-memory mappings a Windows process holds) -> ``pool`` (segment hooks; finalizers take
     it). Outside the order, on the ranks only: the log batcher's and the stream
-    pumps' locks. A control channel is torn per direction: a debugger's thread may send on it
+    pumps' locks (``interrupts`` and ``raising`` are in it but taken on the ranks only). A control channel is torn per direction: a debugger's thread may send on it
     while another thread reads it.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*

@@ -289,6 +289,8 @@ class _Worker:
         # handlers, so a KeyboardInterrupt it raises was received before: after it none can come.
         while not quiet:
             try:
+                # (without Interrupts' lock: a SIGINT the watchdog sends meanwhile is this
+                # request's, and is dropped here or at the next begin)
                 self.interrupts.running = None
                 if SIGINT_MASK:
                     _signal.pthread_sigmask(_signal.SIG_BLOCK, SIGINT_SET)

@@ -77,7 +77,8 @@ class Interrupts:
     """The controller's interrupts of one rank's requests, each named by its sequence number.
 
     The watchdog thread :meth:`asks <request>`; the main thread runs each request's code between
-    :meth:`begin` and :meth:`end`. Two races lose a plain SIGINT, and both are closed here:
+    :meth:`begin` and :meth:`end`. Two races lose a plain SIGINT and a third misplaces one; all
+    three are closed here:
 
     * the interrupt travels on the lifeline, the request on the channel, so the interrupt may be
       read before its request's code starts, when SIGINT is still ignored: :meth:`begin` then
@@ -85,7 +86,11 @@ class Interrupts:
     * a SIGINT that lands after CPython's last check for signals and before a blocking call starts
       (``time.sleep``, a socket read) is seen only when that call returns (it was not interrupted,
       the signal came before it): SIGINT is sent again, :data:`RESEND_S` apart, until its handler
-      has run or the request's code is over.
+      has run or the request's code is over;
+    * an interrupt read late -- its request is over, or never came to this rank (Ctrl-C between
+      two ranks' requests) -- while another request's code runs is dropped: the move between
+      requests (:meth:`begin`, :meth:`end`) and each SIGINT sent take one lock, so none meant for
+      one request lands in another's code.
 
     So while a request's code runs, SIGINT's handler is this object's (it raises
     KeyboardInterrupt, as Python's default handler does, and counts): not
