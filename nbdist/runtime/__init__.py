@@ -135,9 +135,9 @@ Threading model
     SIGINT for one, :class:`~nbdist.runtime.worker_signals.Interrupts`) -> ``raising`` (a rank's
     SIGINT on Windows) -> ``segments`` (the
     shared-memory mappings a Windows process holds) -> ``pool`` (segment hooks; finalizers take
-    it). Outside the order, on the ranks only: the log batcher's and the stream
-    pumps' locks (``interrupts`` and ``raising`` are in it but taken on the ranks only). A control channel is torn per direction: a debugger's thread may send on it
-    while another thread reads it.
+    it). Outside the order, on the ranks only: the log batcher's and the stream pumps' locks
+    (``interrupts`` and ``raising`` are in it but taken on the ranks only). A control channel is
+    torn per direction: a debugger's thread may send on it while another thread reads it.
 
     On a rank (:mod:`.worker`): the main thread serves requests; the *watchdog*
     (``nbdist-watchdog``) reads the lifeline and interrupts, kills or exits the process

@@ -195,4 +195,3 @@ def end_generation(ranks: List[Rank], relay: OutputRelay,
 
 #: seconds closing the generations takes at most, unless a stop's deadline says less
 CLOSE_S = 5.0
-

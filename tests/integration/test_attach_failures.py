@@ -225,20 +225,26 @@ def test_a_failure_after_the_last_restart_ends_the_job(restartable):
         g.run(lambda: 1)
 
 
+def _end_the_whole_job(c):
+    """Kill the agents, then the workers, of cluster ``c``: nothing will restart. The next call
+    reports the rank death; the one after it waits for a generation that never comes."""
+    workers = [r.pid for r in c.group.status().ranks]
+    for p in c.nodes:
+        os.killpg(p.pid, signal.SIGKILL)
+        p.wait()
+    for pid in workers:  # torchrun's workers have sessions of their own
+        os.kill(pid, signal.SIGKILL)
+    with pytest.raises(nbdist.RankDiedError):
+        c.group.run(lambda: 1)
+
+
 def test_a_restart_that_never_comes_is_reported_after_join_timeout(tmp_path):
     c = Cluster(tmp_path, nnodes=2, nproc=1, max_restarts=1, join_timeout=40)
     try:
         # 40 s for the first join (two torchruns on a loaded machine); the wait for a next
         # generation reads the same setting when it starts: 6 s of it is enough to test
         c.group._launcher.join_timeout = 6
-        workers = [r.pid for r in c.group.status().ranks]
-        for p in c.nodes:  # the whole job goes (agents, then workers): nothing will restart
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for pid in workers:  # torchrun's workers have sessions of their own
-            os.kill(pid, signal.SIGKILL)
-        with pytest.raises(nbdist.RankDiedError):
-            c.group.run(lambda: 1)
+        _end_the_whole_job(c)
         began = time.monotonic()
         with pytest.raises(nbdist.NbdistError, match="no new generation of ranks joined within "
                                                      "6 s .did torchrun restart them"):
@@ -253,14 +259,7 @@ def test_a_ctrl_c_another_thread_received_stops_the_wait_for_a_restart(tmp_path)
     when the OS gave the SIGINT to another thread."""
     c = Cluster(tmp_path, nnodes=1, nproc=1, max_restarts=1, join_timeout=120)
     try:
-        workers = [r.pid for r in c.group.status().ranks]
-        for p in c.nodes:  # nothing will restart
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
-        for pid in workers:
-            os.kill(pid, signal.SIGKILL)
-        with pytest.raises(nbdist.RankDiedError):
-            c.group.run(lambda: 1)
+        _end_the_whole_job(c)
         began = time.monotonic()
         with pytest.raises(KeyboardInterrupt):
             with ctrl_c_elsewhere(1.0):

@@ -4,7 +4,8 @@ Ctrl-C that the OS hands to a thread other than the main one."""
 import contextlib
 import signal
 import threading
-import time
+
+from nbdist.wire.deadline import Deadline, poll_until
 
 #: How long a test waits for a call that must end while something else stays blocked: a liveness
 #: bound (the call ends within about a second), not a speed target.
@@ -37,11 +38,8 @@ def ctrl_c_elsewhere(after: float, ready=lambda: True):
     bystander.start()
 
     def send():
-        end = time.monotonic() + 60
-        while not ready():
-            if time.monotonic() > end or done.wait(0.05):
-                return
-        if done.wait(after):
+        poll_until(lambda: ready() or done.is_set(), done.wait, Deadline(60), cap=0.05)
+        if done.is_set() or not ready() or done.wait(after):
             return
         with lock:  # the bystander still runs: the block has not ended
             if not done.is_set():
