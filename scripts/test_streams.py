@@ -4,12 +4,19 @@ to start, for the timeouts the tests are about, for kernels and browsers -- and 
 the 2 cores here when run in one process).
 
     python scripts/test_streams.py [--serial]
+    python scripts/test_streams.py --windows PYTHON [PYTEST_OPTION...]
 
 * ``kernels``: everything outside ``tests/integration`` (docs, notebooks and kernels, the browser,
   unit, windows, gpu), plus the integration modules listed in :data:`WITH_KERNELS` -- the ones
   that start a cluster (SLURM, Ray, the Kubernetes fakes), so that every cluster of the suite
   lives in one process, as the tutorial tests that start the same clusters do;
 * ``ranks``: the rest of ``tests/integration``.
+
+With ``--windows``, the Windows suite instead (``scripts/test-windows.sh``, which passes the Windows
+``python.exe`` under Wine as ``PYTHON``, one shell word per argument of the command): ``unit``
+(``tests/unit``) and ``windows`` (``tests/windows``) side by side, each ``PYTHON -m pytest`` with the
+options given, from the current directory. Under Wine one pytest keeps about one core busy: most of
+the suite is interpreters importing torch one after the other.
 
 Split so that a new test folder or module runs in one of them, never in none: ``kernels`` takes
 every entry of ``tests/`` that pytest would collect but the integration folder, ``ranks`` the
@@ -27,6 +34,7 @@ but the machine: tests pick free ports at random and check only their own childr
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -42,8 +50,11 @@ WITH_KERNELS = [
     "test_engine_ray.py", "test_engine_k8s.py", "test_k8s_api.py", "test_lifecycle.py",
 ]
 STOP_S = 60.0  #: s a stream gets to end after the SIGINT it was sent
-USAGE = ("scripts/test_streams.py takes only --serial; to run some tests, pass them to one pytest: "
-         "bash scripts/test.sh ARGS")
+USAGE = ("scripts/test_streams.py takes only --serial, or --windows PYTHON and pytest options; to "
+         "run some tests, pass them to one pytest: bash scripts/test.sh ARGS (bash "
+         "scripts/test-windows.sh ARGS for the Windows suite)")
+#: the Windows suite's two streams (``--windows``): they take about as long as each other
+WINDOWS_STREAMS = [("unit", ["tests/unit"]), ("windows", ["tests/windows"])]
 
 
 def _collected(entry: os.DirEntry) -> bool:
@@ -108,17 +119,20 @@ def _as_interrupt(signum, frame):
     raise KeyboardInterrupt(f"signal {signum}")
 
 
-def run() -> int:
-    """Both streams at once; the first non-zero exit status (a stream killed by a signal: 1)."""
+def run(split=None, python=None, cwd=ROOT) -> int:
+    """Both streams at once (``split``: ``[(name, pytest arguments)]``, :func:`streams` by
+    default; ``python``: the interpreter's command, this one by default; ``cwd``: where the
+    streams run); the first non-zero exit status (a stream killed by a signal: 1)."""
     started = time.monotonic()
     procs = []
     for name in ("SIGTERM", "SIGHUP"):  # as Ctrl-C: the streams are stopped, not left running
         signal.signal(getattr(signal, name), _as_interrupt)
     try:
-        for name, args in streams():
+        for name, args in (streams() if split is None else split):
             # -u: the stream's lines come as pytest writes them, not in blocks of a pipe's buffer
             # (for pytest's own process only: what the tests start is not changed)
-            proc = subprocess.Popen([sys.executable, "-u", "-m", "pytest", "-q", *args], cwd=ROOT,
+            proc = subprocess.Popen([*(python or [sys.executable]), "-u", "-m", "pytest", "-q",
+                                     *args], cwd=cwd,
                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True,
                                     errors="backslashreplace", start_new_session=True)
@@ -153,12 +167,21 @@ def _cores() -> int:
 
 
 def main(argv) -> int:
-    if argv not in ([], ["--serial"]):
+    windows = argv[:1] == ["--windows"] and len(argv) >= 2
+    if argv not in ([], ["--serial"]) and not windows:
         raise SystemExit(USAGE)
     # SIGINT as Python sets it, whoever started this script: a shell that ran it in the background
     # left it ignored, and pytest would inherit that (the interrupt tests need it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
-    if argv or _cores() < 2 or not hasattr(os, "killpg"):
+    serial = _cores() < 2 or not hasattr(os, "killpg")
+    if windows:
+        python, options = shlex.split(argv[1]), argv[2:]
+        split = [(name, [*options, *paths]) for name, paths in WINDOWS_STREAMS]
+        if serial:
+            paths = [path for _, paths in WINDOWS_STREAMS for path in paths]
+            os.execvp(python[0], [*python, "-m", "pytest", "-q", *options, *paths])
+        return run(split, python, os.getcwd())
+    if argv or serial:
         os.chdir(ROOT)
         os.execv(sys.executable, [sys.executable, "-m", "pytest", "-q"])
     return run()

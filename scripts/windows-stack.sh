@@ -41,10 +41,13 @@ if [ ! -x py/python.exe ]; then
   # needs it on Windows, and pip judges that marker for this host.
   $WIN -d wheels $NOTEBOOK pywin32
   unzip -q -o wheels/pip-*.whl -d py/Lib/site-packages
-  # Wine 8 lacks kernel32.CopyFile2, which shutil.copy2 uses on 3.12+: make shutil fall back.
-  printf 'import _winapi\nif hasattr(_winapi, "CopyFile2"):\n    del _winapi.CopyFile2\n' \
-    > py/Lib/site-packages/sitecustomize.py
 fi
+# Wine 8 lacks kernel32.CopyFile2, which shutil.copy2 uses on 3.12+: make shutil fall back. And
+# write bytecode caches: a ._pth file makes the embeddable CPython run isolated and never write
+# them, so every process compiled torch's Python modules again at each import (a python.org install
+# writes them, as on Linux; with them, import torch, nbdist takes ~12 s under Wine here, not ~16).
+printf '%s\n' 'import _winapi' 'if hasattr(_winapi, "CopyFile2"):' '    del _winapi.CopyFile2' \
+  'import sys' 'sys.dont_write_bytecode = False' > py/Lib/site-packages/sitecustomize.py
 
 cat > env.sh <<ENV
 # source this: the Wine settings nbdist's Windows runs need, and wpy (the Windows python.exe)

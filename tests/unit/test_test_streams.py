@@ -57,10 +57,22 @@ def test_a_listed_module_that_does_not_exist_stops_the_run(monkeypatch):
 @pytest.mark.timeout(30)
 def test_it_takes_no_test_arguments_and_says_where_they_go():
     module = _load()
-    for argv in (["tests/unit"], ["-x"], ["--serial", "-k", "x"]):
-        with pytest.raises(SystemExit, match=r"takes only --serial; to run some tests, pass them "
-                                             r"to one pytest: bash scripts/test.sh ARGS"):
+    for argv in (["tests/unit"], ["-x"], ["--serial", "-k", "x"], ["--windows"]):
+        with pytest.raises(SystemExit, match=r"takes only --serial, or --windows PYTHON and pytest "
+                                             r"options; to run some tests, pass them to one "
+                                             r"pytest: bash scripts/test.sh ARGS \(bash "
+                                             r"scripts/test-windows.sh ARGS for the Windows "
+                                             r"suite\)"):
             module.main(argv)
+
+
+@pytest.mark.timeout(30)
+def test_the_windows_streams_are_the_two_folders_the_windows_suite_runs():
+    streams = dict(_load().WINDOWS_STREAMS)
+    assert streams == {"unit": ["tests/unit"], "windows": ["tests/windows"]}
+    assert all((ROOT / path).is_dir() for paths in streams.values() for path in paths)
+    script = (ROOT / "scripts" / "test-windows.sh").read_text(encoding="utf-8")
+    assert "tests/unit tests/windows" in script  # the one-pytest way runs the same two
 
 
 @pytest.mark.timeout(30)
@@ -116,6 +128,43 @@ def test_the_exit_status_is_zero_only_when_both_streams_pass(tmp_path, second, s
     done = subprocess.run([sys.executable, str(driver)], capture_output=True, text=True, timeout=90)
     assert done.returncode == status, (done.stdout, done.stderr)
     assert f"[two] exit status {status} after" in done.stdout and "[one] 1 passed" in done.stdout
+
+
+WINDOWS_DRIVER = """
+import importlib.util, sys
+spec = importlib.util.spec_from_file_location("streams", {script!r})
+streams = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(streams)
+streams._cores = lambda: {cores}
+sys.exit(streams.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.timeout(120)
+@POSIX
+@pytest.mark.parametrize("cores", [2, 1])
+def test_windows_runs_each_folder_in_its_own_stream_with_the_python_and_options_given(tmp_path,
+                                                                                     cores):
+    for folder in ("unit", "windows"):
+        (tmp_path / "tests" / folder).mkdir(parents=True)
+        (tmp_path / "tests" / folder / f"test_{folder}.py").write_text(
+            "import sys\n\ndef test_it():\n    assert sys.flags.int_max_str_digits == 5678\n")
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    driver = tmp_path / "driver.py"
+    driver.write_text(WINDOWS_DRIVER.format(script=str(ROOT / "scripts" / "test_streams.py"),
+                                            cores=cores))
+    python = f"{sys.executable} -X int_max_str_digits=5678"  # more than one word, as Wine's
+    done = subprocess.run([sys.executable, str(driver), "--windows", python, "-p",
+                           "no:cacheprovider", "-rA"], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=100)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    for folder in ("unit", "windows"):
+        test = f"PASSED tests/{folder}/test_{folder}.py::test_it"
+        if cores > 1:  # two streams
+            assert f"[{folder}] {test}" in done.stdout
+            assert f"[{folder}] exit status 0 after" in done.stdout
+        else:  # one pytest, both folders
+            assert f"\n{test}" in done.stdout and "2 passed" in done.stdout
 
 
 @pytest.mark.timeout(90)
