@@ -31,6 +31,7 @@ from hashlib import sha256
 from typing import Any, Dict, Optional, Tuple
 
 from . import locks
+from .deadline import WAKE_S, Deadline, poll_until
 from . import seal as seal_module
 from .seal import IntegrityError, Seal, read_frame  # noqa: F401 -- IntegrityError: re-exported
 
@@ -84,11 +85,20 @@ def keepalive(sock: socket.socket) -> None:
 
 
 def _readable(sock: socket.socket, timeout: float) -> bool:
+    """Whether ``sock`` has something to read (or failed) within ``timeout`` s, waiting at most
+    :data:`~nbdist.wire.deadline.WAKE_S` at a time: a Ctrl-C the OS handed to another thread
+    ends the wait of a main thread reading a stalled message at once, not ``timeout`` s later."""
+    seen = []
     if hasattr(select, "poll"):  # no FD_SETSIZE limit
         poller = select.poll()
         poller.register(sock, select.POLLIN | select.POLLERR | select.POLLHUP)
-        return bool(poller.poll(timeout * 1000))
-    return bool(select.select([sock], [], [sock], timeout)[0])  # Windows: sockets only anyway
+
+        def step(seconds):
+            seen.extend(poller.poll(seconds * 1000))
+    else:
+        def step(seconds):  # Windows: sockets only anyway
+            seen.extend(select.select([sock], [], [sock], seconds)[0])
+    return poll_until(lambda: bool(seen), step, Deadline(timeout), cap=WAKE_S)
 
 
 def _recv_now(sock: socket.socket, view: memoryview) -> Optional[int]:
