@@ -211,12 +211,22 @@ def pids() -> List[int]:
 
 
 def ready(timeout: float = 0.0) -> int:
-    """How many of the spares kept now have imported torch, waiting up to ``timeout`` s for all
-    of them (a benchmark or a test waits; a start never does)."""
+    """How many of the spares kept have imported torch, waiting up to ``timeout`` s until the pool
+    is full (:func:`target` spares, none still being spawned) and all of them have (a benchmark
+    or a test waits; a start never does). A top-up that a start has just asked for, and not yet
+    begun, is waited for too."""
+    def full() -> bool:
+        with _Pool.lock:
+            kept, spawning, final = list(_Pool.spares), bool(_Pool.starting), _Pool.final
+        try:
+            want = target()
+        except ValueError:  # a bad NBDIST_SPARES: nothing is topped up
+            want = 0
+        return final or (not spawning and len(kept) >= want and all(s.ready() for s in kept))
+
+    poll_until(full, lambda left: time.sleep(min(left, 0.05)), Deadline(timeout))
     with _Pool.lock:
         kept = list(_Pool.spares)
-    poll_until(lambda: all(s.ready() for s in kept), lambda left: time.sleep(min(left, 0.05)),
-               Deadline(timeout))
     return sum(s.ready() for s in kept)
 
 
