@@ -26,8 +26,8 @@ kills and reaps them all.
 Threads: :func:`take` runs on the thread starting a group (the caller's, holding the group's
 lock); :func:`top_up` on a prewarm thread (``nbdist-prewarm``: at ``%load_ext nbdist``, and after
 each spawn start -- never under the group's lock). The pool's own lock (``spares`` in
-:data:`nbdist.wire.locks.ORDER`) is a leaf: it guards the list, the spawns in flight and the
-epoch; nothing is spawned, reaped or locked under it. A :func:`close` (at exit: for good) makes
+:data:`nbdist.wire.locks.ORDER`) is a leaf: it guards the list, the spawns in flight, the
+top-ups asked for and the epoch; nothing is spawned, reaped or locked under it. A :func:`close` (at exit: for good) makes
 every spawn then in flight discard its spare, and waits for them.
 """
 from __future__ import annotations
@@ -100,6 +100,7 @@ class _Pool:
     spares: List[Spare] = []
     starting: List[Any] = []  # processes being spawned (not kept yet), for pids()
     wanted: Optional[int] = None  # the last spawn start's world size
+    pending = 0  # top-ups asked for in the background (warm()) and not done yet
     epoch = 0  # close() moves it on: a spawn begun before a close keeps nothing
     final = False  # closed at interpreter exit: nothing is spawned any more
 
@@ -192,15 +193,32 @@ def warm(background: bool = True) -> Optional[threading.Thread]:
     if not background:
         top_up()
         return None
-    thread = threading.Thread(target=top_up, name="nbdist-prewarm", daemon=True)
-    thread.start()
+
+    def run():
+        try:
+            top_up()
+        finally:
+            with _Pool.lock:
+                _Pool.pending -= 1
+                _Pool.lock.notify_all()
+
+    with _Pool.lock:  # counted before the thread runs: ready() waits for it from now on
+        _Pool.pending += 1
+    thread = threading.Thread(target=run, name="nbdist-prewarm", daemon=True)
+    try:
+        thread.start()
+    except BaseException:
+        with _Pool.lock:
+            _Pool.pending -= 1
+        raise
     return thread
 
 
 def settle(timeout: float) -> bool:
-    """Wait up to ``timeout`` s until no spare is being spawned; True if none is."""
+    """Wait up to ``timeout`` s until no top-up is asked for or running and no spare is being
+    spawned; True if so."""
     with _Pool.lock:
-        return _Pool.lock.wait_for(lambda: not _Pool.starting, timeout)
+        return _Pool.lock.wait_for(lambda: not (_Pool.pending or _Pool.starting), timeout)
 
 
 def pids() -> List[int]:
@@ -211,20 +229,16 @@ def pids() -> List[int]:
 
 
 def ready(timeout: float = 0.0) -> int:
-    """How many of the spares kept have imported torch, waiting up to ``timeout`` s until the pool
-    is full (:func:`target` spares, none still being spawned) and all of them have (a benchmark
-    or a test waits; a start never does). A top-up that a start has just asked for, and not yet
-    begun, is waited for too."""
-    def full() -> bool:
+    """How many of the spares kept have imported torch, waiting up to ``timeout`` s until every
+    top-up asked for is done -- one a start has just asked for (:func:`warm`) and not yet begun
+    included -- and every spare kept has imported torch or died (a benchmark or a test waits; a
+    start never does)."""
+    def settled() -> bool:
         with _Pool.lock:
-            kept, spawning, final = list(_Pool.spares), bool(_Pool.starting), _Pool.final
-        try:
-            want = target()
-        except ValueError:  # a bad NBDIST_SPARES: nothing is topped up
-            want = 0
-        return final or (not spawning and len(kept) >= want and all(s.ready() for s in kept))
+            kept, busy = list(_Pool.spares), _Pool.pending or _Pool.starting
+        return not busy and all(s.ready() or s.process.exitcode is not None for s in kept)
 
-    poll_until(full, lambda left: time.sleep(min(left, 0.05)), Deadline(timeout))
+    poll_until(settled, lambda left: time.sleep(min(left, 0.05)), Deadline(timeout))
     with _Pool.lock:
         kept = list(_Pool.spares)
     return sum(s.ready() for s in kept)

@@ -52,17 +52,22 @@ def test_a_spawn_start_keeps_spares_that_the_restart_takes(fresh_pool, tmp_path,
         assert len(spares.pids()) == 2 and set(spares.pids()).isdisjoint(kept)
 
 
-def test_ready_waits_for_a_top_up_that_has_not_begun_yet(fresh_pool):
+def test_ready_waits_for_a_top_up_that_has_not_begun_yet(fresh_pool, monkeypatch):
     """Was: ready() counted the spares kept at the moment it was called, so right after a start
     took them (its top-up not begun, or its spawns in flight) it returned 0 at once, and the
     Wine benchmark's restart found no warm spare."""
-    timer = threading.Timer(1.0, spares.top_up)  # as a start's background top-up, a moment late
-    timer.start()
+    top_up = spares.top_up
+
+    def late():  # a start's background top-up whose thread is slow to begin
+        threading.Event().wait(1.0)
+        top_up()
+
+    monkeypatch.setattr(spares, "top_up", late)
+    thread = spares.warm()
     try:
-        assert spares.ready(timeout=120) == 2
-        assert len(spares.pids()) == 2
+        assert spares.ready(timeout=120) == spares.target() == len(spares.pids())
     finally:
-        timer.join()
+        thread.join(120)
 
 
 def test_a_dead_spare_is_passed_over_and_sigint_does_not_end_one(fresh_pool):
