@@ -98,6 +98,9 @@ def _readable(sock: socket.socket, timeout: float) -> bool:
     else:
         def step(seconds):  # Windows: sockets only anyway
             seen.extend(select.select([sock], [], [sock], seconds)[0])
+    if timeout <= 0:  # poll_until would find its deadline passed before it looked
+        step(0)
+        return bool(seen)
     return poll_until(lambda: bool(seen), step, Deadline(timeout), cap=WAKE_S)
 
 

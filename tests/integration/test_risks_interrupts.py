@@ -305,12 +305,19 @@ def test_a_ctrl_c_another_thread_received_stops_the_wait_for_a_blocked_sink():
         check_afterwards(g, usable=True)
 
 
-def test_a_ctrl_c_another_thread_received_stops_the_read_of_a_stalled_message():
+def test_a_ctrl_c_another_thread_received_stops_the_read_of_a_stalled_message(monkeypatch):
     """A peer that sent part of a message and stopped is given up after the channel's stall bound
     (30 s); a Ctrl-C meanwhile ends the read at once, wherever the OS delivered it."""
     import socket
     import struct
 
+    waiting, readable = threading.Event(), transport._readable
+
+    def noted(sock, timeout):  # the read has reached its wait for the rest
+        waiting.set()
+        return readable(sock, timeout)
+
+    monkeypatch.setattr(transport, "_readable", noted)
     with socket.create_server(("127.0.0.1", 0)) as listener:
         theirs = socket.create_connection(listener.getsockname())
         ours, _ = listener.accept()
@@ -319,7 +326,7 @@ def test_a_ctrl_c_another_thread_received_stops_the_read_of_a_stalled_message():
         assert channel.stall == transport.MESSAGE_STALL == 30.0
         theirs.sendall(struct.pack("!Q", 100) + b"x" * 40)  # 40 of 100 bytes, then nothing
         started = time.monotonic()
-        with ctrl_c_elsewhere(0.5):
+        with ctrl_c_elsewhere(0.5, ready=waiting.is_set):
             with pytest.raises(KeyboardInterrupt):
                 channel.recv_bytes()
         assert time.monotonic() - started < transport.MESSAGE_STALL / 2  # not the stall's bound
