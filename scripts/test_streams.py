@@ -120,7 +120,7 @@ def _as_interrupt(signum, frame):
 
 
 def run(split=None, python=None, cwd=ROOT) -> int:
-    """Both streams at once (``split``: ``[(name, pytest arguments)]``, :func:`streams` by
+    """The streams at once (``split``: ``[(name, pytest arguments)]``, :func:`streams` by
     default; ``python``: the interpreter's command, this one by default; ``cwd``: where the
     streams run); the first non-zero exit status (a stream killed by a signal: 1)."""
     started = time.monotonic()
@@ -167,7 +167,7 @@ def _cores() -> int:
 
 
 def main(argv) -> int:
-    windows = argv[:1] == ["--windows"] and len(argv) >= 2
+    windows = argv[:1] == ["--windows"] and len(argv) >= 2 and bool(shlex.split(argv[1]))
     if argv not in ([], ["--serial"]) and not windows:
         raise SystemExit(USAGE)
     # SIGINT as Python sets it, whoever started this script: a shell that ran it in the background
@@ -177,9 +177,8 @@ def main(argv) -> int:
     if windows:
         python, options = shlex.split(argv[1]), argv[2:]
         split = [(name, [*options, *paths]) for name, paths in WINDOWS_STREAMS]
-        if serial:
-            paths = [path for _, paths in WINDOWS_STREAMS for path in paths]
-            os.execvp(python[0], [*python, "-m", "pytest", "-q", *options, *paths])
+        if serial:  # one stream, still through a pipe: Wine's python.exe needs one for stdout
+            split = [("suite", [*options, *(p for _, paths in WINDOWS_STREAMS for p in paths)])]
         return run(split, python, os.getcwd())
     if argv or serial:
         os.chdir(ROOT)

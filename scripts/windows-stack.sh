@@ -42,18 +42,18 @@ if [ ! -x py/python.exe ]; then
   $WIN -d wheels $NOTEBOOK pywin32
   unzip -q -o wheels/pip-*.whl -d py/Lib/site-packages
 fi
-# Wine 8 lacks kernel32.CopyFile2, which shutil.copy2 uses on 3.12+: make shutil fall back. And
-# write bytecode caches: a ._pth file makes the embeddable CPython run isolated and never write
-# them, so every process compiled torch's Python modules again at each import (a python.org install
-# writes them, as on Linux; with them, import torch, nbdist takes ~12 s under Wine here, not ~16).
+# Wine 8 lacks kernel32.CopyFile2, which shutil.copy2 uses on 3.12+: make shutil fall back.
 printf '%s\n' 'import _winapi' 'if hasattr(_winapi, "CopyFile2"):' '    del _winapi.CopyFile2' \
-  'import sys' 'sys.dont_write_bytecode = False' > py/Lib/site-packages/sitecustomize.py
+  > py/Lib/site-packages/sitecustomize.py
 
 cat > env.sh <<ENV
 # source this: the Wine settings nbdist's Windows runs need, and wpy (the Windows python.exe)
 export WINEPREFIX=$ROOT/prefix WINEDEBUG=-all WINEARCH=win64
 export KMP_AFFINITY=disabled   # Intel OpenMP calls GetNumaNodeProcessorMaskEx: not in Wine 8
 export WINEDLLOVERRIDES="msvcp140,msvcp140_1,msvcp140_2,msvcp140_atomic_wait,msvcp140_codecvt_ids,concrt140,vcomp140,vcruntime140,vcruntime140_1=n,b"
+# Bytecode caches written and shared (a PYTHONDONTWRITEBYTECODE from the host reaches Windows
+# programs through Wine: every process then compiled each module it imported, torch's included).
+unset PYTHONDONTWRITEBYTECODE
 # Wine 8 gives Python an invalid handle for a regular-file stdout: always a pipe (cat), no stdin.
 wpy() { /usr/lib/wine/wine64 $ROOT/py/python.exe "\$@" </dev/null 2>&1 | cat; return \${PIPESTATUS[0]}; }
 ENV

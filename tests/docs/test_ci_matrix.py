@@ -54,3 +54,6 @@ def test_the_windows_job_runs_the_same_suite_as_the_wine_run():
     wine = (ROOT / "scripts" / "test-windows.sh").read_text(encoding="utf-8")
     (line,) = [ln for ln in wine.splitlines() if ln.startswith("wpy -m pytest ")]
     assert line.split("wpy -m pytest ", 1)[1] == ours + ' "$@"'
+    # and the two streams it runs by default take the same options (test_streams adds -q)
+    options = ours.split("-q ", 1)[1].split(" tests/unit", 1)[0]
+    assert f'--windows "/usr/lib/wine/wine64 $ROOT/py/python.exe" \\\n    {options}\n' in wine
