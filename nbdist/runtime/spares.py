@@ -27,8 +27,8 @@ Threads: :func:`take` runs on the thread starting a group (the caller's, holding
 lock); :func:`top_up` on a prewarm thread (``nbdist-prewarm``: at ``%load_ext nbdist``, and after
 each spawn start -- never under the group's lock). The pool's own lock (``spares`` in
 :data:`nbdist.wire.locks.ORDER`) is a leaf: it guards the list, the spawns in flight, the
-top-ups asked for and the epoch; nothing is spawned, reaped or locked under it. A :func:`close` (at exit: for good) makes
-every spawn then in flight discard its spare, and waits for them.
+top-ups asked for and the epoch; nothing is spawned, reaped or locked under it. A :func:`close`
+(at exit: for good) makes every spawn then in flight discard its spare, and waits for them.
 """
 from __future__ import annotations
 
