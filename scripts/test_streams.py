@@ -167,15 +167,16 @@ def _cores() -> int:
 
 
 def main(argv) -> int:
-    windows = argv[:1] == ["--windows"] and len(argv) >= 2 and bool(shlex.split(argv[1]))
-    if argv not in ([], ["--serial"]) and not windows:
+    # --windows PYTHON: the Windows suite's interpreter command (empty otherwise)
+    python = shlex.split(argv[1]) if argv[:1] == ["--windows"] and len(argv) >= 2 else []
+    if argv not in ([], ["--serial"]) and not python:
         raise SystemExit(USAGE)
     # SIGINT as Python sets it, whoever started this script: a shell that ran it in the background
     # left it ignored, and pytest would inherit that (the interrupt tests need it).
     signal.signal(signal.SIGINT, signal.default_int_handler)
     serial = _cores() < 2 or not hasattr(os, "killpg")
-    if windows:
-        python, options = shlex.split(argv[1]), argv[2:]
+    if python:
+        options = argv[2:]
         split = [(name, [*options, *paths]) for name, paths in WINDOWS_STREAMS]
         if serial:  # one stream, still through a pipe: Wine's python.exe needs one for stdout
             split = [("suite", [*options, *(p for _, paths in WINDOWS_STREAMS for p in paths)])]

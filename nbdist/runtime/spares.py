@@ -214,11 +214,16 @@ def warm(background: bool = True) -> Optional[threading.Thread]:
     return thread
 
 
+def _topping_up() -> bool:
+    """(Under the pool's lock.) Whether a top-up is asked for or running, or a spare spawning."""
+    return bool(_Pool.pending or _Pool.starting)
+
+
 def settle(timeout: float) -> bool:
     """Wait up to ``timeout`` s until no top-up is asked for or running and no spare is being
     spawned; True if so."""
     with _Pool.lock:
-        return _Pool.lock.wait_for(lambda: not (_Pool.pending or _Pool.starting), timeout)
+        return _Pool.lock.wait_for(lambda: not _topping_up(), timeout)
 
 
 def pids() -> List[int]:
@@ -235,7 +240,7 @@ def ready(timeout: float = 0.0) -> int:
     start never does)."""
     def settled() -> bool:
         with _Pool.lock:
-            kept, busy = list(_Pool.spares), _Pool.pending or _Pool.starting
+            kept, busy = list(_Pool.spares), _topping_up()
         return not busy and all(s.ready() or s.process.exitcode is not None for s in kept)
 
     poll_until(settled, lambda left: time.sleep(min(left, 0.05)), Deadline(timeout))

@@ -6,6 +6,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 
 import psutil
 import pytest
@@ -59,7 +60,7 @@ def test_ready_waits_for_a_top_up_that_has_not_begun_yet(fresh_pool, monkeypatch
     top_up = spares.top_up
 
     def late():  # a start's background top-up whose thread is slow to begin
-        threading.Event().wait(1.0)
+        time.sleep(1.0)
         top_up()
 
     monkeypatch.setattr(spares, "top_up", late)
