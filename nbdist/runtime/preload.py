@@ -9,6 +9,10 @@ forkserver ignores it anyway once it serves) and unblocks it, so the workers it 
 the block: each worker sets its own SIGINT handling (:mod:`nbdist.runtime.worker`).
 
 In a process that did not start with SIGINT blocked, importing this module changes nothing.
+
+Then the modules ``NBDIST_PRELOAD`` lists (:mod:`.imports`): what every rank forked from here, or
+every warm spare, then starts with. A name that fails here is skipped; each rank's own import of it
+then fails its start and says why.
 """
 import signal
 
@@ -18,3 +22,6 @@ if hasattr(signal, "pthread_sigmask") and \
     signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT])
 
 from . import worker  # noqa: E402,F401 -- the point of the preload: torch, imported once
+from . import imports  # noqa: E402
+
+imports.from_env(strict=False)

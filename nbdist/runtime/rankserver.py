@@ -120,6 +120,7 @@ class _Worker:
 
     def init_dist(self) -> Dict[str, Any]:
         cfg = self.cfg
+        imports.from_env(rank=self.rank)  # NBDIST_PRELOAD: most often imported by the forkserver
         # torch read TORCH_DISTRIBUTED_DEBUG when the forkserver imported it: read it again.
         dist.set_debug_level_from_env()
         for blob in cfg["custom_backends"]:

@@ -1,4 +1,10 @@
-"""Group.preload: imports begun on the ranks in a thread of their own (real ranks)."""
+"""Group.preload: imports begun on the ranks in a thread of their own; NBDIST_PRELOAD: modules the
+forkserver imports once for every rank (real ranks)."""
+import json
+import os
+import subprocess
+import sys
+
 import pytest
 
 import nbdist
@@ -35,3 +41,78 @@ def test_preload_does_nothing_while_a_job_runs(shared_group):
     job = shared_group.submit_exec("import time\ntime.sleep(1.0)")
     assert shared_group.preload("colorsys") is False
     job.result(timeout=30)
+
+
+def _who_imported():
+    import os
+
+    import plmod
+
+    return [plmod.PID, os.getpid()]
+
+
+# In a process of its own: the forkserver reads NBDIST_PRELOAD once, when it starts.
+SCRIPT = """
+import json, os, sys
+import nbdist
+from test_preload import _who_imported
+import cloudpickle, test_preload
+cloudpickle.register_pickle_by_value(test_preload)
+out = {"forkserver": None}
+try:
+    nbdist.start(2, start_method="forkserver")
+except nbdist.NbdistError as err:
+    out["error"] = str(err)
+os.environ["NBDIST_PRELOAD"] = "plmod"
+with nbdist.start(2, start_method="forkserver") as g:
+    out["first"] = g.run(_who_imported)
+    g.restart()
+    out["restart"] = g.run(_who_imported)
+from multiprocessing import forkserver
+out["forkserver"] = forkserver._forkserver._forkserver_pid
+print("OUT", json.dumps(out))
+"""
+
+
+def test_the_forkserver_imports_what_nbdist_preload_lists_once_for_every_rank(tmp_path):
+    """A module NBDIST_PRELOAD lists is imported by the forkserver: every rank, of every start,
+    finds it imported by the forkserver's pid, not its own. A name the forkserver cannot import
+    is skipped there, and fails each rank's start, named."""
+    (tmp_path / "plmod.py").write_text("import os\nPID = os.getpid()\n")
+    here = os.path.dirname(__file__)
+    env = dict(os.environ, NBDIST_PRELOAD="plmod, no_such_module_pl",
+               PYTHONPATH=os.pathsep.join([str(tmp_path), here, os.environ.get("PYTHONPATH", "")]))
+    env.pop("NBDIST_START_METHOD", None)
+    run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=tmp_path)
+    lines = [ln for ln in run.stdout.splitlines() if ln.startswith("OUT ")]
+    assert lines, run.stdout + run.stderr
+    out = json.loads(lines[0][4:])
+    assert "NBDIST_PRELOAD lists 'no_such_module_pl', which rank 0 cannot import " \
+           "(ModuleNotFoundError: No module named 'no_such_module_pl'). Install it in the ranks' " \
+           "environment, or take it out of NBDIST_PRELOAD (it is 'plmod, no_such_module_pl')." \
+           in out["error"]
+    server = out["forkserver"]
+    for pids in (out["first"], out["restart"]):
+        assert [imported for imported, _ in pids] == [server, server]
+        assert all(rank not in (server, os.getpid()) for _, rank in pids)
+
+
+def test_a_spawned_rank_imports_what_nbdist_preload_lists_itself(tmp_path, monkeypatch):
+    (tmp_path / "plmod.py").write_text("import os\nPID = os.getpid()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setenv("NBDIST_PRELOAD", "plmod")
+    monkeypatch.setenv("NBDIST_SPARES", "0")
+    with nbdist.start(2, start_method="spawn") as g:
+        assert [imported == rank for imported, rank in g.run(_who_imported)] == [True, True]
+
+
+def test_nbdist_preload_must_name_modules(monkeypatch):
+    monkeypatch.setenv("NBDIST_PRELOAD", "deepspeed,torch-dynamo")
+    with pytest.raises(nbdist.NbdistError, match=r"NBDIST_PRELOAD must list module names "
+                       r"separated by commas, e.g. 'deepspeed,torch._dynamo'; 'torch-dynamo' is "
+                       r"not one \(the variable is 'deepspeed,torch-dynamo'\)"):
+        nbdist.start(2)
+    monkeypatch.delenv("NBDIST_PRELOAD")
+    with nbdist.start(2) as g:
+        assert g.run(abs, -1) == [1, 1]
