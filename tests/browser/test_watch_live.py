@@ -4,8 +4,10 @@ the job's output stay under the cell that started it and appear under no other c
 
 The tutorial's job (120 steps) can end here within a couple of seconds of the view's first figure
 -- about one redraw, as a figure takes 0.6-1.2 s to render on this machine -- so the test's copy
-trains for 1,500 steps (20-40 s): long enough for several redraws whatever the load. The first
-screenshot must show the job running, so the figures compared are both from while it ran.
+trains for up to 1,500 steps (20-40 s): long enough for several redraws whatever the load. Once
+the test has seen the figure change, it ends the loop early (a file the copy's loop looks for):
+the rest of the run was ranks and redraws burning CPU for nothing. The first screenshot must show
+the job running, so the figures compared are both from while it ran.
 """
 from __future__ import annotations
 
@@ -46,18 +48,36 @@ def _index(page, text):
                          text)
 
 
-def _longer(path, steps=1500):
-    """The copy's background cell trains for ``steps`` steps instead of the tutorial's 120."""
+LOOP = "    for step in range(steps):\n"
+# Both ranks must leave at the same step (one left alone in DDP's all_reduce would wait out the
+# group's timeout): the ranks agree on the file's existence, every step.
+STOP_CHECK = """\
+        seen = torch.tensor([float(__import__("os").path.exists({path!r}))])
+        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        if seen.item():
+            break
+"""
+
+
+def _longer(path, stop, steps=1500):
+    """The copy's background cell trains for up to ``steps`` steps instead of the tutorial's 120,
+    and its loop ends early, on both ranks at the same step, once the file ``stop`` exists (so the
+    job runs only as long as the test needs it to)."""
     nb = json.loads(path.read_text(encoding="utf-8"))
     cell = next(c for c in nb["cells"] if "".join(c["source"]).startswith("%%dist --bg job"))
     assert "".join(cell["source"]) == "%%dist --bg job\ntrain()"
     cell["source"] = f"%%dist --bg job\ntrain({steps})"
+    cell = next(c for c in nb["cells"] if "def train(" in "".join(c["source"]))
+    source = "".join(cell["source"])
+    assert source.count(LOOP) == 1
+    cell["source"] = source.replace(LOOP, LOOP + STOP_CHECK.format(path=str(stop)))
     path.write_text(json.dumps(nb), encoding="utf-8")
 
 
 @pytest.mark.timeout(240)
 def test_the_live_view_changes_while_the_job_runs(jupyterlab, page, artifacts):
-    _longer(jupyterlab.root / NOTEBOOK)
+    stop = jupyterlab.root / "STOP"
+    _longer(jupyterlab.root / NOTEBOOK, stop)
     page.set_default_timeout(30_000)
     page.goto(f"{jupyterlab.url}/lab/workspaces/w{uuid.uuid4().hex[:8]}/tree/{NOTEBOOK}"
               f"?reset&token={jupyterlab.token}")
@@ -79,6 +99,7 @@ def test_the_live_view_changes_while_the_job_runs(jupyterlab, page, artifacts):
     cell.screenshot(path=str(artifacts / "watch-2.png"))
     assert second != first, "the live view's figure did not change while the job ran"
     assert running, "the job ended before the figure changed: no update seen while it ran"
+    stop.touch()  # seen: the job's loop ends at its next step
     page.wait_for_function(ALL_RAN, timeout=150_000)  # every cell ran (and the job ended)
     bg_text = page.locator(".jp-Notebook .jp-Cell").nth(bg).text_content()
     # both ranks print it: shown once, labelled with both (quiet ranks), or once per rank
