@@ -1,4 +1,4 @@
-"""The harness of the nbdist_shm tests (test_shm_backend*.py): spawned ranks (``_run``:
+"""The harness of the nbdist_shm tests (test_shm_backend*.py): fresh rank processes (``_run``:
 spawned.py's ``run_ranks``), rank-side helpers comparing nbdist_shm with gloo, and the check that
 no segment is left in /dev/shm."""
 

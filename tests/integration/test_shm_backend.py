@@ -1,7 +1,8 @@
-"""Integration tests for the nbdist_shm backend (nbdist.shm), with real spawned processes.
+"""Integration tests for the nbdist_shm backend (nbdist.shm), with real rank processes.
 
-Multi-process tests host a TCPStore in the pytest process, spawn the ranks with the
-multiprocessing "spawn" context and collect one result string per rank through that store
+Multi-process tests host a TCPStore in the pytest process, start the ranks as fresh processes
+(spawned.py: children of nbdist's forkserver, or spawned where there is none) and collect one
+result string per rank through that store
 ("ok" or a traceback). Each rank checks every collective against gloo on the same inputs
 (a gloo group of the same ranks): bitwise where the reduction order allows it, else with the
 tolerance stated at ``_TOL``. Many checks share one spawned run to keep the file fast. Small
@@ -288,7 +289,7 @@ def test_collectives_match_gloo(world_size):
 
 def _large_with_cores(rank, n, store, cores):
     """Large collectives (20 MB, several chunks) on slots of 12 MiB, where the OS tells rank r
-    that it may run on ``cores[r]`` cores: the host's answer, faked in this spawned rank (it sets
+    that it may run on ``cores[r]`` cores: the host's answer, faked in this rank (it sets
     how the backend chunks, spins and caps threads). Ranks pinned differently (taskset, numactl,
     srun --cpu-bind) must still cut every tensor the same way."""
     import os

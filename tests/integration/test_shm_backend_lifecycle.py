@@ -1,4 +1,4 @@
-"""The nbdist_shm backend under training and failure, with real spawned ranks: DDP, FSDP 1 and 2
+"""The nbdist_shm backend under training and failure, with real rank processes: DDP, FSDP 1 and 2
 and ZeroRedundancyOptimizer train as on gloo; a dying rank is an error naming it, not a hang; an
 absent rank times out. Harness: shm_harness.py."""
 

@@ -1,8 +1,8 @@
-"""Integration tests for nbdist.store_backend, with real spawned processes.
+"""Integration tests for nbdist.store_backend, with real rank processes.
 
-Each multi-process test spawns its ranks with spawned.py's ``run_ranks`` (a TCPStore in the
+Each multi-process test starts its ranks with spawned.py's ``run_ranks`` (a TCPStore in the
 pytest process; each rank reports its result or its traceback through it). Many checks share
-one spawned run to keep the file fast.
+one run of the ranks to keep the file fast.
 """
 
 import os
