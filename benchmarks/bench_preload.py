@@ -10,7 +10,8 @@ torch and nbdist, then times ``--cycles`` cycles of: start 2 ranks (gloo, CPU), 
 * ``nbdist``: the default forkserver, which has imported torch;
 * ``nbdist + NBDIST_PRELOAD``: the same, its forkserver also importing what the step imports
   (:data:`PRELOAD`);
-* ``mp.spawn``: ``torch.multiprocessing.spawn`` of a function that initialises gloo and does the same.
+* ``mp.spawn``: ``torch.multiprocessing.spawn`` of a function that initialises gloo and does the
+  same.
 
 The first cycle of a child includes starting the forkserver (and its imports); the later ones are
 what a restart costs. For nbdist, each rank also reports its own CPU time at the end of its step

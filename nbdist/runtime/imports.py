@@ -12,10 +12,12 @@ that fails here fails again, with its traceback, in the call that uses the modul
 :data:`ENV_VAR` (``NBDIST_PRELOAD``) names modules every rank has imported before its first call.
 The forkserver imports them once, after torch (:mod:`.preload`; a warm spare does too), so a rank
 forked from it starts with them and a start or restart skips their import: DeepSpeed and
-``torch._dynamo``, which every optimizer imports on a rank's first step, take seconds of CPU in
-each fresh rank. The forkserver reads the variable once, when it starts, and skips what it cannot
-import; each rank then imports what its own environment lists (:func:`from_env`, strict), so a
-name added later is still imported, only by each rank, and a bad one fails the start, by rank.
+``torch._dynamo`` (which every torch optimizer imports on a rank's first step) take seconds of CPU
+in each fresh rank. The forkserver reads the variable once, when it starts, and skips what it
+cannot import; each rank then imports what its own environment lists (:func:`from_env`, strict),
+so a name added later is still imported, only by each rank, and a bad one fails the start, by
+rank. Local starts check the list first (:func:`check`): a misspelt or missing module is refused
+before any rank starts.
 """
 from __future__ import annotations
 
@@ -55,36 +57,64 @@ def run_pending() -> None:
             pass
 
 
-def env_modules() -> List[str]:
-    """The modules :data:`ENV_VAR` lists (commas and spaces separate them); raise if one is not a
-    module name."""
-    names = [n for n in re.split(r"[,\s]+", os.environ.get(ENV_VAR, "")) if n]
+def env_modules(environ=None) -> List[str]:
+    """The modules :data:`ENV_VAR` lists in ``environ`` (default: this process's environment;
+    commas and spaces separate them); raise if one is not a module name."""
+    value = (os.environ if environ is None else environ).get(ENV_VAR, "")
+    names = [n for n in re.split(r"[,\s]+", value) if n]
     bad = [n for n in names if not _NAME.match(n)]
     if bad:
         raise ValueError(f"{ENV_VAR} must list module names separated by commas, e.g. "
-                         f"'deepspeed,torch._dynamo'; {', '.join(map(repr, bad))} is not one "
-                         f"(the variable is {os.environ[ENV_VAR]!r})")
+                         f"'deepspeed,torch._dynamo'; not a module name: "
+                         f"{', '.join(map(repr, bad))} (the variable is {value!r})")
     return names
+
+
+def check(environ) -> None:
+    """Before local ranks start (they run this Python, on this ``sys.path``): refuse an
+    :data:`ENV_VAR` in ``environ`` that is not a list of module names, or whose top-level
+    packages this Python cannot find (a lookup: nothing is imported here)."""
+    names = env_modules(environ)
+    missing = [n for n in names if importlib.util.find_spec(n.partition(".")[0]) is None]
+    if missing:
+        raise ModuleNotFoundError(
+            f"{ENV_VAR} lists {', '.join(map(repr, missing))}, which this Python "
+            f"({sys.executable}) cannot find; install it, or take it out of {ENV_VAR} (it is "
+            f"{environ[ENV_VAR]!r})")
 
 
 def from_env(strict: bool = True, rank: int = -1) -> None:
     """Import the modules :data:`ENV_VAR` lists. The forkserver passes ``strict=False`` and skips
-    what fails (each rank then fails its own start, saying why); a rank raises on the first that
-    cannot be imported, naming it and the variable."""
+    what fails (each rank then fails its own start, saying why), with torch told to look for CUDA
+    through NVML meanwhile (``PYTORCH_NVML_BASED_CUDA_CHECK``), so that a module asking
+    ``torch.cuda.is_available()`` as it is imported (DeepSpeed does) does not create a CUDA
+    context that no forked rank could use; a rank raises on the first module it cannot import,
+    naming it and the variable."""
     try:
         names = env_modules()
     except ValueError:
         if strict:
             raise
         return
-    for name in names:
-        if name in sys.modules:
-            continue
-        try:
-            importlib.import_module(name)
-        except Exception as exc:  # noqa: BLE001 -- the rank says which and why, below
-            if strict:
-                raise ImportError(
-                    f"{ENV_VAR} lists {name!r}, which rank {rank} cannot import "
-                    f"({type(exc).__name__}: {exc}). Install it in the ranks' environment, or "
-                    f"take it out of {ENV_VAR} (it is {os.environ[ENV_VAR]!r}).") from exc
+    nvml = "PYTORCH_NVML_BASED_CUDA_CHECK"
+    saved = os.environ.get(nvml)
+    if not strict:
+        os.environ.setdefault(nvml, "1")
+    try:
+        for name in names:
+            if name not in sys.modules:
+                _import(name, strict, rank)
+    finally:
+        if not strict and saved is None:
+            os.environ.pop(nvml, None)
+
+
+def _import(name: str, strict: bool, rank: int) -> None:
+    try:
+        importlib.import_module(name)
+    except BaseException as exc:  # noqa: BLE001 -- SystemExit too: the forkserver must live on
+        if strict:
+            raise ImportError(
+                f"{ENV_VAR} lists {name!r}, which rank {rank} cannot import "
+                f"({type(exc).__name__}: {exc}). Install it in the ranks' environment, or "
+                f"take it out of {ENV_VAR} (it is {os.environ[ENV_VAR]!r}).") from exc

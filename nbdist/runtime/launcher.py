@@ -26,7 +26,7 @@ from ..wire.deadline import Deadline
 from ..wire.relay import OutputRelay
 from .advice import option
 from .current import say_once
-from . import forkserver, spares
+from . import forkserver, imports, spares
 from .forkserver import check_start_method, main_hidden, mp_context
 from .processes import LocalProcess
 from .ranks import ASKED_S, STREAMS_S, Rank, RankSet
@@ -202,6 +202,7 @@ class LocalLauncher(Launcher):
         env.update(debug_env(opts["debug"]))
         stream_mode(env)  # a bad NBDIST_STREAMS is refused here, before any rank starts
         shared = segments.shared_files(env)  # and a bad NBDIST_TENSORS
+        imports.check(env)  # and a bad NBDIST_PRELOAD
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]), self.protect,

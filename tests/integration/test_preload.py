@@ -2,12 +2,14 @@
 forkserver imports once for every rank (real ranks)."""
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 
 import nbdist
+from nbdist.runtime.forkserver import start_methods
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,8 +50,10 @@ def _who_imported():
 
     import plmod
 
-    return [plmod.PID, os.getpid()]
+    return [plmod.PID, os.getpid(), plmod.NVML, os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")]
 
+
+PLMOD = "import os\nPID = os.getpid()\nNVML = os.environ.get('PYTORCH_NVML_BASED_CUDA_CHECK')\n"
 
 # In a process of its own: the forkserver reads NBDIST_PRELOAD once, when it starts.
 SCRIPT = """
@@ -58,7 +62,7 @@ import nbdist
 from test_preload import _who_imported
 import cloudpickle, test_preload
 cloudpickle.register_pickle_by_value(test_preload)
-out = {"forkserver": None}
+out = {"forkserver": None, "driver": os.getpid()}
 try:
     nbdist.start(2, start_method="forkserver")
 except nbdist.NbdistError as err:
@@ -74,44 +78,57 @@ print("OUT", json.dumps(out))
 """
 
 
+@pytest.mark.skipif("forkserver" not in start_methods(), reason="no forkserver here")
 def test_the_forkserver_imports_what_nbdist_preload_lists_once_for_every_rank(tmp_path):
-    """A module NBDIST_PRELOAD lists is imported by the forkserver: every rank, of every start,
-    finds it imported by the forkserver's pid, not its own. A name the forkserver cannot import
-    is skipped there, and fails each rank's start, named."""
-    (tmp_path / "plmod.py").write_text("import os\nPID = os.getpid()\n")
+    """A module NBDIST_PRELOAD lists is imported by the forkserver (torch looking for CUDA through
+    NVML meanwhile): every rank, of every start, finds it imported by the forkserver's pid, not its
+    own. A module that fails to import there, even by SystemExit, is skipped (the forkserver lives
+    on), and fails each rank's start, named."""
+    (tmp_path / "plmod.py").write_text(PLMOD)
+    (tmp_path / "plbad.py").write_text("raise SystemExit(3)\n")
     here = os.path.dirname(__file__)
-    env = dict(os.environ, NBDIST_PRELOAD="plmod, no_such_module_pl",
+    env = dict(os.environ, NBDIST_PRELOAD="plmod, plbad",
                PYTHONPATH=os.pathsep.join([str(tmp_path), here, os.environ.get("PYTHONPATH", "")]))
-    env.pop("NBDIST_START_METHOD", None)
+    for name in ("NBDIST_START_METHOD", "PYTORCH_NVML_BASED_CUDA_CHECK"):
+        env.pop(name, None)
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                          timeout=120, cwd=tmp_path)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("OUT ")]
     assert lines, run.stdout + run.stderr
     out = json.loads(lines[0][4:])
-    assert "NBDIST_PRELOAD lists 'no_such_module_pl', which rank 0 cannot import " \
-           "(ModuleNotFoundError: No module named 'no_such_module_pl'). Install it in the ranks' " \
-           "environment, or take it out of NBDIST_PRELOAD (it is 'plmod, no_such_module_pl')." \
-           in out["error"]
+    assert re.search(r"NBDIST_PRELOAD lists 'plbad', which rank \d cannot import \(SystemExit: "
+                     r"3\)\. Install it in the ranks' environment, or take it out of "
+                     r"NBDIST_PRELOAD \(it is 'plmod, plbad'\)\.", out["error"]), out["error"]
     server = out["forkserver"]
-    for pids in (out["first"], out["restart"]):
-        assert [imported for imported, _ in pids] == [server, server]
-        assert all(rank not in (server, os.getpid()) for _, rank in pids)
+    for ranks in (out["first"], out["restart"]):
+        assert [r[0] for r in ranks] == [server, server]  # imported once, by the forkserver
+        assert [r[2:] for r in ranks] == [["1", None]] * 2  # NVML while it imported; not after
+        pids = {r[1] for r in ranks}
+        assert len(pids) == 2 and not pids & {server, out["driver"]}
 
 
 def test_a_spawned_rank_imports_what_nbdist_preload_lists_itself(tmp_path, monkeypatch):
-    (tmp_path / "plmod.py").write_text("import os\nPID = os.getpid()\n")
+    (tmp_path / "plmod.py").write_text(PLMOD)
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setenv("NBDIST_PRELOAD", "plmod")
     monkeypatch.setenv("NBDIST_SPARES", "0")
+    monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
     with nbdist.start(2, start_method="spawn") as g:
-        assert [imported == rank for imported, rank in g.run(_who_imported)] == [True, True]
+        assert [[imported == rank, nvml] for imported, rank, nvml, _ in g.run(_who_imported)] \
+            == [[True, None]] * 2
 
 
-def test_nbdist_preload_must_name_modules(monkeypatch):
-    monkeypatch.setenv("NBDIST_PRELOAD", "deepspeed,torch-dynamo")
-    with pytest.raises(nbdist.NbdistError, match=r"NBDIST_PRELOAD must list module names "
-                       r"separated by commas, e.g. 'deepspeed,torch._dynamo'; 'torch-dynamo' is "
-                       r"not one \(the variable is 'deepspeed,torch-dynamo'\)"):
+def test_nbdist_preload_is_checked_before_any_rank_starts(monkeypatch):
+    monkeypatch.setenv("NBDIST_PRELOAD", "deepspeed,torch-dynamo ray/util")
+    with pytest.raises(ValueError, match=r"NBDIST_PRELOAD must list module names separated by "
+                       r"commas, e.g. 'deepspeed,torch._dynamo'; not a module name: "
+                       r"'torch-dynamo', 'ray/util' \(the variable is 'deepspeed,torch-dynamo "
+                       r"ray/util'\)"):
+        nbdist.start(2)
+    monkeypatch.setenv("NBDIST_PRELOAD", "json, no_such_module_pl.sub")
+    with pytest.raises(ModuleNotFoundError, match=r"NBDIST_PRELOAD lists 'no_such_module_pl.sub', "
+                       r"which this Python \(.*\) cannot find; install it, or take it out of "
+                       r"NBDIST_PRELOAD \(it is 'json, no_such_module_pl.sub'\)"):
         nbdist.start(2)
     monkeypatch.delenv("NBDIST_PRELOAD")
     with nbdist.start(2) as g:
