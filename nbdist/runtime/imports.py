@@ -87,8 +87,8 @@ def from_env(strict: bool = True, rank: int = -1) -> None:
     """Import the modules :data:`ENV_VAR` lists. The forkserver passes ``strict=False`` and skips
     what fails (each rank then fails its own start, saying why), with torch told to look for CUDA
     through NVML meanwhile (``PYTORCH_NVML_BASED_CUDA_CHECK``), so that a module asking
-    ``torch.cuda.is_available()`` as it is imported (DeepSpeed does) does not create a CUDA
-    context that no forked rank could use; a rank raises on the first module it cannot import,
+    ``torch.cuda.is_available()`` as it is imported (DeepSpeed does) does not initialise CUDA,
+    which no forked rank could then use; a rank raises on the first module it cannot import,
     naming it and the variable."""
     try:
         names = env_modules()
@@ -113,6 +113,8 @@ def _import(name: str, strict: bool, rank: int) -> None:
     try:
         importlib.import_module(name)
     except BaseException as exc:  # noqa: BLE001 -- SystemExit too: the forkserver must live on
+        if strict and isinstance(exc, KeyboardInterrupt):
+            raise
         if strict:
             raise ImportError(
                 f"{ENV_VAR} lists {name!r}, which rank {rank} cannot import "

@@ -168,6 +168,18 @@ class Incarnation:
             self.tmp = None
 
 
+def _checked_env(opts: Dict[str, Any]) -> Dict[str, str]:
+    """The ranks' environment; a bad NBDIST_STREAMS, NBDIST_TENSORS or NBDIST_PRELOAD in it is
+    refused here, before any rank starts."""
+    env = dict(os.environ)
+    env.update(opts["env"] or {})
+    env.update(debug_env(opts["debug"]))
+    stream_mode(env)
+    segments.shared_files(env)
+    imports.check(env)
+    return env
+
+
 class LocalLauncher(Launcher):
     """Fresh worker processes on this machine, started with ``start_method`` (``"forkserver"`` or
     ``"spawn"``; ``None``: ``NBDIST_START_METHOD``, else forkserver where the OS has it). The
@@ -179,7 +191,10 @@ class LocalLauncher(Launcher):
         self.protect = protect
 
     def choose(self, opts: Dict[str, Any]) -> BackendChoice:
-        """Resolve the backend; refuse a world size this machine cannot run well."""
+        """Resolve the backend; refuse a world size this machine cannot run well, and the
+        variables a start reads (checked again at launch) that it would refuse: a restart then
+        refuses them before it stops the running ranks."""
+        _checked_env(opts)
         choice = resolve_backend(opts["backend"], opts["device"])
         ws = opts["world_size"]
         limit = opts["max_world_size"] or (cpu_limit() if choice.device == "cpu" else None)
@@ -197,12 +212,8 @@ class LocalLauncher(Launcher):
 
     def launch(self, group_id, choice, opts, threads, tmp, relay):
         """Start ``world_size`` workers; return them once all are ready (or raise, leaving none)."""
-        env = dict(os.environ)
-        env.update(opts["env"] or {})
-        env.update(debug_env(opts["debug"]))
-        stream_mode(env)  # a bad NBDIST_STREAMS is refused here, before any rank starts
-        shared = segments.shared_files(env)  # and a bad NBDIST_TENSORS
-        imports.check(env)  # and a bad NBDIST_PRELOAD
+        env = _checked_env(opts)
+        shared = segments.shared_files(env)
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]), self.protect,

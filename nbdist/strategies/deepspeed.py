@@ -208,12 +208,16 @@ def _import(device: torch.device):
         if first and device.type == "cpu" and saved is None:
             os.environ.pop("DS_ACCELERATOR", None)
     picked = get_accelerator().device_name()
-    if picked != device.type and "deepspeed" in os.environ.get("NBDIST_PRELOAD", ""):
+    preloaded = [n for n in os.environ.get("NBDIST_PRELOAD", "").replace(",", " ").split()
+                 if n.split(".")[0] == "deepspeed"]
+    if picked != device.type and preloaded:
         raise ValueError(f"DeepSpeed uses the {picked!r} accelerator in this rank, but this run "
-                         f"trains on {device.type!r}: NBDIST_PRELOAD lists it, so the forkserver "
-                         "imported it, and DeepSpeed picked its accelerator then. Set "
-                         f"DS_ACCELERATOR={device.type} in the kernel's environment before the "
-                         "first start, or take deepspeed out of NBDIST_PRELOAD")
+                         f"trains on {device.type!r}: NBDIST_PRELOAD lists it, so it was imported "
+                         "before this run (by the forkserver or a warm spare, or as the rank "
+                         "started), and DeepSpeed picked its accelerator then. Set "
+                         f"DS_ACCELERATOR={device.type} in the kernel's environment and restart "
+                         "the kernel (the forkserver keeps what it imported), or take deepspeed "
+                         "out of NBDIST_PRELOAD")
     if picked != device.type:
         raise ValueError(f"DeepSpeed already uses the {picked!r} accelerator in this rank "
                          f"(it picks one when first imported), but this run trains on "

@@ -385,16 +385,20 @@ def test_a_rank_that_already_picked_another_accelerator_is_told_to_restart(monke
             return "xpu"
 
     monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Elsewhere())
+    monkeypatch.setenv("NBDIST_PRELOAD", "mydeepspeed_utils")  # not deepspeed itself
     with pytest.raises(ValueError, match="DeepSpeed already uses the 'xpu' accelerator in this rank "
                        r"\(it picks one when first imported\), but this run trains on 'cpu': "
-                       r"restart the group \(group.restart\(\)\)"):
+                       r"restart the group \(group.restart\(\)\) before using another device, or "
+                       r"set DS_ACCELERATOR=cpu in its env"):
         strategies.deepspeed._import(torch.device("cpu"))
-    monkeypatch.setenv("NBDIST_PRELOAD", "deepspeed,torch._dynamo")
-    with pytest.raises(ValueError, match="DeepSpeed uses the 'xpu' accelerator in this rank, but "
-                       "this run trains on 'cpu': NBDIST_PRELOAD lists it, so the forkserver "
-                       "imported it, and DeepSpeed picked its accelerator then. Set "
-                       "DS_ACCELERATOR=cpu in the kernel's environment before the first start, "
-                       "or take deepspeed out of NBDIST_PRELOAD"):
+    monkeypatch.setenv("NBDIST_PRELOAD", "torch._dynamo, deepspeed.comm")
+    with pytest.raises(ValueError, match=r"DeepSpeed uses the 'xpu' accelerator in this rank, but "
+                       r"this run trains on 'cpu': NBDIST_PRELOAD lists it, so it was imported "
+                       r"before this run \(by the forkserver or a warm spare, or as the rank "
+                       r"started\), and DeepSpeed picked its accelerator then. Set "
+                       r"DS_ACCELERATOR=cpu in the kernel's environment and restart the kernel "
+                       r"\(the forkserver keeps what it imported\), or take deepspeed out of "
+                       r"NBDIST_PRELOAD"):
         strategies.deepspeed._import(torch.device("cpu"))
 
 

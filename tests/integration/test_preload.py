@@ -92,7 +92,7 @@ def test_the_forkserver_imports_what_nbdist_preload_lists_once_for_every_rank(tm
     for name in ("NBDIST_START_METHOD", "PYTORCH_NVML_BASED_CUDA_CHECK"):
         env.pop(name, None)
     run = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
-                         timeout=120, cwd=tmp_path)
+                         timeout=100, cwd=tmp_path)
     lines = [ln for ln in run.stdout.splitlines() if ln.startswith("OUT ")]
     assert lines, run.stdout + run.stderr
     out = json.loads(lines[0][4:])
@@ -133,3 +133,20 @@ def test_nbdist_preload_is_checked_before_any_rank_starts(monkeypatch):
     monkeypatch.delenv("NBDIST_PRELOAD")
     with nbdist.start(2) as g:
         assert g.run(abs, -1) == [1, 1]
+        monkeypatch.setenv("NBDIST_PRELOAD", "no_such_module_pl")
+        with pytest.raises(ModuleNotFoundError, match="NBDIST_PRELOAD lists 'no_such_module_pl'"):
+            g.restart()  # refused before the running ranks were stopped
+        assert g.state == "ready" and g.run(abs, -2) == [2, 2]
+
+
+def test_the_forkserver_s_cuda_probe_setting_is_put_back(monkeypatch):
+    from nbdist.runtime import imports
+
+    monkeypatch.setenv("NBDIST_PRELOAD", "json")
+    for before in (None, "0"):
+        if before is None:
+            monkeypatch.delenv("PYTORCH_NVML_BASED_CUDA_CHECK", raising=False)
+        else:
+            monkeypatch.setenv("PYTORCH_NVML_BASED_CUDA_CHECK", before)
+        imports.from_env(strict=False)
+        assert os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK") == before
