@@ -70,6 +70,15 @@ def env_modules(environ=None) -> List[str]:
     return names
 
 
+def listed(package: str) -> bool:
+    """Whether :data:`ENV_VAR` lists ``package`` or one of its modules (a list that is not one of
+    module names: no; a start refuses it)."""
+    try:
+        return any(n.partition(".")[0] == package for n in env_modules())
+    except ValueError:
+        return False
+
+
 def check(environ) -> None:
     """Before local ranks start (they run this Python, on this ``sys.path``): refuse an
     :data:`ENV_VAR` in ``environ`` that is not a list of module names, or whose top-level

@@ -168,16 +168,17 @@ class Incarnation:
             self.tmp = None
 
 
-def _checked_env(opts: Dict[str, Any]) -> Dict[str, str]:
-    """The ranks' environment; a bad NBDIST_STREAMS, NBDIST_TENSORS or NBDIST_PRELOAD in it is
-    refused here, before any rank starts."""
+def _checked_env(opts: Dict[str, Any]) -> Tuple[Dict[str, str], bool]:
+    """The ranks' environment, and whether their large tensors travel as shared files; a bad
+    NBDIST_STREAMS, NBDIST_TENSORS or NBDIST_PRELOAD in it is refused here, before any rank
+    starts."""
     env = dict(os.environ)
     env.update(opts["env"] or {})
     env.update(debug_env(opts["debug"]))
     stream_mode(env)
-    segments.shared_files(env)
+    shared = segments.shared_files(env)
     imports.check(env)
-    return env
+    return env, shared
 
 
 class LocalLauncher(Launcher):
@@ -212,8 +213,7 @@ class LocalLauncher(Launcher):
 
     def launch(self, group_id, choice, opts, threads, tmp, relay):
         """Start ``world_size`` workers; return them once all are ready (or raise, leaving none)."""
-        env = _checked_env(opts)
-        shared = segments.shared_files(env)
+        env, shared = _checked_env(opts)
         ranks = start_workers(group_id, choice, opts["world_size"], float(opts["timeout"]),
                               threads, env, os.path.join(tmp, "store"), relay,
                               float(opts["init_timeout"] or opts["timeout"]), self.protect,

@@ -47,6 +47,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..runtime import imports
+
 DEEPSPEED_HINT = "pip install nbdist[deepspeed]"
 # DeepSpeed 0.19.8's setup.py, on win32 only, lists bin/deepspeed.bat among its scripts; the sdist
 # lacks it, so pip's build fails there (docs/platforms.md). The wheel built elsewhere installs.
@@ -208,9 +210,7 @@ def _import(device: torch.device):
         if first and device.type == "cpu" and saved is None:
             os.environ.pop("DS_ACCELERATOR", None)
     picked = get_accelerator().device_name()
-    preloaded = [n for n in os.environ.get("NBDIST_PRELOAD", "").replace(",", " ").split()
-                 if n.split(".")[0] == "deepspeed"]
-    if picked != device.type and preloaded:
+    if picked != device.type and imports.listed("deepspeed"):
         raise ValueError(f"DeepSpeed uses the {picked!r} accelerator in this rank, but this run "
                          f"trains on {device.type!r}: NBDIST_PRELOAD lists it, so it was imported "
                          "before this run (by the forkserver or a warm spare, or as the rank "

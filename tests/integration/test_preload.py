@@ -57,10 +57,8 @@ PLMOD = "import os\nPID = os.getpid()\nNVML = os.environ.get('PYTORCH_NVML_BASED
 
 # In a process of its own: the forkserver reads NBDIST_PRELOAD once, when it starts.
 SCRIPT = """
-import json, os, sys
-import nbdist
-from test_preload import _who_imported
-import cloudpickle, test_preload
+import json, os
+import cloudpickle, nbdist, test_preload
 cloudpickle.register_pickle_by_value(test_preload)
 out = {"forkserver": None, "driver": os.getpid()}
 try:
@@ -69,9 +67,9 @@ except nbdist.NbdistError as err:
     out["error"] = str(err)
 os.environ["NBDIST_PRELOAD"] = "plmod"
 with nbdist.start(2, start_method="forkserver") as g:
-    out["first"] = g.run(_who_imported)
+    out["first"] = g.run(test_preload._who_imported)
     g.restart()
-    out["restart"] = g.run(_who_imported)
+    out["restart"] = g.run(test_preload._who_imported)
 from multiprocessing import forkserver
 out["forkserver"] = forkserver._forkserver._forkserver_pid
 print("OUT", json.dumps(out))
