@@ -67,7 +67,8 @@ class Group(Dispatch):
         output: ``sink(rank, stream, text)`` receiving every line of the ranks' output, in order,
             on a thread of its own (``nbdist-sink``); a call returns once the sink got its lines.
         dedupe_output: show a repeated line once, labelled with its ranks (:attr:`dedupe_output`).
-        max_world_size: raise the CPU sanity limit on ``world_size``.
+        max_world_size: raise the limit on ``world_size`` (4 ranks per CPU core; one rank per
+            GPU: ranks beyond the GPUs then share them, rank ``i`` on GPU ``i % count``).
         stall: seconds without progress (nothing logged or printed, no collective completed)
             after which a background job shows as "stalled", with the ranks' stacks and their
             collectives compared (:attr:`Job.stalled <nbdist.Job.stalled>`); ``None``: never.

@@ -138,9 +138,10 @@ class _Worker:
             cfg["backend"], cfg["device"] = choice.backend, choice.device
             if choice.note:
                 print(choice.note, file=sys.stdout)  # a note, not an error
-        device = cfg["device"]
-        if device == "cuda":
-            torch.cuda.set_device(cfg["local_rank"])
+        device, index = cfg["device"], cfg["local_rank"]
+        if device == "cuda":  # ranks beyond the visible GPUs (max_world_size=) share them
+            index %= max(1, torch.cuda.device_count())
+            torch.cuda.set_device(index)
         if cfg.get("store_tcp"):
             host, port = cfg["store_tcp"]
             store = dist.TCPStore(host, port, cfg["world_size"], is_master=False,
@@ -161,7 +162,7 @@ class _Worker:
             getattr(importlib.import_module(module), name)()
         self.ns.update({"__name__": "__main__", "__builtins__": __builtins__, "torch": torch,
                         "dist": dist, "rank": self.rank, "world_size": cfg["world_size"],
-                        "device": torch.device(device, cfg["local_rank"]) if device != "cpu"
+                        "device": torch.device(device, index) if device != "cpu"
                         else torch.device("cpu")})
         return {"pid": os.getpid(), "host": socket.gethostname(), "device": device,
                 "node": os.environ.get("GROUP_RANK") or os.environ.get("SLURM_NODEID") or "0",
