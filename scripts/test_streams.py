@@ -8,8 +8,9 @@ the 2 cores here when run in one process).
 
 * ``kernels``: everything outside ``tests/integration`` (docs, notebooks and kernels, the browser,
   unit, windows, gpu), plus the integration modules listed in :data:`WITH_KERNELS` -- the ones
-  that start a cluster (SLURM, Ray, the Kubernetes fakes), so that every cluster of the suite
-  lives in one process, as the tutorial tests that start the same clusters do;
+  that start a cluster (SLURM, Ray), so that every cluster of the suite lives in one process, as
+  the tutorial tests that start the same clusters do (the Kubernetes fakes share nothing and
+  listen on free ports: they run in ``ranks``);
 * ``ranks``: the rest of ``tests/integration``.
 
 With ``--windows``, the Windows suite instead (``scripts/test-windows.sh``, which passes the Windows
@@ -45,10 +46,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 INTEGRATION = "tests/integration"
 #: integration modules run in the ``kernels`` stream: every one that starts a cluster (wall times
 #: of each stream: docs/benchmarks.md; test_lifecycle.py, here until the ranks' backend tests and
-#: DeepSpeed cycles got cheaper, went back to ``ranks`` to keep the two even)
+#: DeepSpeed cycles got cheaper, went back to ``ranks`` to keep the two even, and so did the
+#: Kubernetes fakes' modules once forked ranks got cheaper to start)
 WITH_KERNELS = [
     "test_engine_slurm.py", "test_engine_slurm_reattach.py", "test_attach_slurm.py",
-    "test_engine_ray.py", "test_engine_k8s.py", "test_k8s_api.py",
+    "test_engine_ray.py",
 ]
 STOP_S = 60.0  #: s a stream gets to end after the SIGINT it was sent
 USAGE = ("scripts/test_streams.py takes only --serial, or --windows PYTHON and pytest options; to "
