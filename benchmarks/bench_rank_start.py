@@ -5,7 +5,7 @@ another one, interleaved round by round in one run.
     python benchmarks/bench_rank_start.py [--against PATH] [--rounds 6] [--cycles 10] [--sizes 2,4]
 
 Each round runs one child process per checkout (``PYTHONPATH`` set to it; with no ``--against``,
-this checkout alone). A child starts a group once (the forkserver warms up), then ``--cycles``
+this checkout alone), in turn, the first going first every other round. A child starts a group once (the forkserver warms up), then ``--cycles``
 times for each world size: ``nbdist.start(N)`` + a call that returns what the rank has cost since
 its fork (CPU, minor page faults, unique memory), then ``restart()`` + the same call, then
 ``stop()``. Printed: medians over every sample of every round, per checkout, and their ratio.
@@ -78,11 +78,16 @@ def main() -> int:
         trees["--against"] = os.path.abspath(args.against)
     samples = {name: {} for name in trees}
     for r in range(args.rounds):
-        for name, tree in trees.items():
+        order = list(trees.items())
+        for name, tree in order[::-1] if r % 2 else order:  # each goes first every other round
             env = dict(os.environ, PYTHONPATH=tree)
-            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
-                                   "--sizes", args.sizes, "--cycles", str(args.cycles)],
-                                  env=env, capture_output=True, text=True, timeout=600, cwd=tree)
+            try:
+                done = subprocess.run([sys.executable, os.path.abspath(__file__), "--child",
+                                       "--sizes", args.sizes, "--cycles", str(args.cycles)],
+                                      env=env, capture_output=True, text=True, timeout=600,
+                                      cwd=tree)
+            except subprocess.TimeoutExpired:
+                sys.exit(f"{name} ({tree}): a round took more than 600 s")
             line = [x for x in done.stdout.splitlines() if x.startswith("RESULT ")]
             if done.returncode or not line:
                 sys.exit(f"{name} ({tree}) failed:\n{done.stderr[-3000:]}")

@@ -19,11 +19,16 @@ elif [ -x .venv/bin/python ] && .venv/bin/python -c "$CUDA" 2>/dev/null; then PY
 elif python3 -c "$NEEDS; $CUDA" 2>/dev/null; then PY=python3
 elif [ -x .venv/bin/python ]; then PY=.venv/bin/python
 else
+  if python3 -c "$CUDA" 2>/dev/null; then  # a CUDA torch, but not all the check needs: say what
+    python3 -c "import importlib.util as u; print('gpu-check: python3 has torch with CUDA but not',
+      ', '.join(m for m in '${NEEDS#import }'.split(', ') if u.find_spec(m) is None),
+      '(pip install them, or set PYTHON=); making .venv instead')" >&2
+  fi
   bash scripts/setup-venv.sh >/dev/null || { echo "gpu-check: setting up .venv failed" >&2; exit 2; }
   PY=.venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version \
+command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode \
   --format=csv,noheader
 "$PY" - <<'PYEOF'
 import sys

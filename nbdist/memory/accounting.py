@@ -135,7 +135,9 @@ def other_note(others: Dict[tuple, int]) -> List[str]:
 
 def _owners(keys: set, limit: int = 3) -> List[str]:
     """Where the largest Python-visible tensors among ``keys`` are held, e.g.
-    ``"DeviceMesh.mesh (8 B)"``: the attribute of the object that references each."""
+    ``"DeviceMesh.mesh (8 B)"``: the attribute of the object that references each. A holder
+    made before a forked rank's fork (frozen there: :mod:`nbdist.runtime.preload`) is out of
+    the collector's sight, so such a tensor is described by its shape instead."""
     from torch.distributed.tensor import DTensor
 
     found: Dict[tuple, str] = {}

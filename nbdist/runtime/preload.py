@@ -8,13 +8,16 @@ blocked (which covers Python's own start-up), and this module, first thing, igno
 forkserver ignores it anyway once it serves) and unblocks it, so the workers it forks don't inherit
 the block: each worker sets its own SIGINT handling (:mod:`nbdist.runtime.worker`).
 
-In a process that did not start with SIGINT blocked, importing this module changes nothing.
+In a process that did not start with SIGINT blocked, that part changes nothing.
 
 Then the modules ``NBDIST_PRELOAD`` lists (:mod:`.imports`): what every rank forked from here, or
 every warm spare, then starts with. A name that fails here is skipped; each rank's own import of it
 then fails its start and says why.
 
-Then :func:`gc.freeze` (below).
+Last, a collection and :func:`gc.freeze` (below): every object alive then is out of the
+collector's sight for good, in this process and in each rank forked from it. So
+``gc.get_objects()`` and ``gc.get_referrers()`` on a rank do not see them either (the memory
+accounting then cannot name a holder made at import, such as a module's global).
 """
 import signal
 
@@ -30,8 +33,13 @@ imports.from_env(strict=False)
 
 import gc  # noqa: E402
 
-# Last: every object made so far (torch's modules, mostly) leaves the collector's generations. A
-# forked rank's collections then never walk them: a walk writes to the header of every object it
-# visits, which copied about 36 MiB of the server's memory into each rank (9,300 pages) and cost
-# it about 95 ms of CPU before its first call (Python's advice for a server that forks).
+# Last: what the imports left as garbage is freed (a module that failed above may leave cycles,
+# which a freeze would keep for good), then every object alive (torch's modules, mostly) leaves the
+# collector's generations. A forked rank's full collections then never walk them: such a walk
+# writes to the header of every object it visits, which copied about 36 MiB of the server's memory
+# into each rank (9,300 pages) and cost it about 95 ms of CPU before its first call. (Part of
+# Python's advice for a server that forks: the server does not disable its collector, and freezes
+# once, here, not before every fork; what it allocates later is little and short-lived.) A warm
+# spare (spawned, not forked) gains only cheaper full collections.
+gc.collect()
 gc.freeze()

@@ -16,8 +16,9 @@ PSI = 2 * (WIDTH * WIDTH + WIDTH)  # mlp(2, 256): two Linear layers
 
 def _measured_meets_the_formula(group, name):
     world = group.world_size
+    # on CUDA whatever the backend (gloo's default device is the CPU)
     rep = memory.measure(group, functools.partial(memory.mlp, 2, WIDTH), [name],
-                         optimizer="adam", steps=2, batch=16)
+                         optimizer="adam", steps=2, batch=16, options={name: {"device": "cuda"}})
     assert [r.rank for r in rep] == list(range(world))
     for r in rep:
         assert r.device.startswith("cuda") and r.num_params == PSI
