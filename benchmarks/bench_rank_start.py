@@ -5,11 +5,11 @@ another one, interleaved round by round in one run.
     python benchmarks/bench_rank_start.py [--against PATH] [--rounds 6] [--cycles 10] [--sizes 2,4]
 
 Each round runs one child process per checkout (``PYTHONPATH`` set to it; with no ``--against``,
-this checkout alone), in turn, the first going first every other round. A child starts a group once (the forkserver warms up), then ``--cycles``
-times for each world size: ``nbdist.start(N)`` + a call that returns what the rank has cost since
-its fork (CPU, minor page faults, unique memory), then ``restart()`` + the same call, then
-``stop()``. Printed: medians over every sample of every round, per checkout, and their ratio.
-Gloo on CPU; run it on a quiet machine where you can.
+this checkout alone), in turn, each going first every other round. A child starts a group once
+(the forkserver warms up), then ``--cycles`` times for each world size: ``nbdist.start(N)`` + a
+call that returns what the rank has cost since its fork (CPU, minor page faults, unique memory),
+then ``restart()`` + the same call, then ``stop()``. Printed: medians over every sample of every
+round, per checkout, and their ratio. Gloo on CPU; run it on a quiet machine where you can.
 """
 from __future__ import annotations
 

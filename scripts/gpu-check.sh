@@ -24,12 +24,13 @@ else
       ', '.join(m for m in '${NEEDS#import }'.split(', ') if u.find_spec(m) is None),
       '(pip install them, or set PYTHON=); making .venv instead')" >&2
   fi
-  bash scripts/setup-venv.sh >/dev/null || { echo "gpu-check: setting up .venv failed" >&2; exit 2; }
+  bash scripts/setup-venv.sh >/dev/null \
+    || { echo "gpu-check: setting up .venv failed" >&2; exit 2; }
   PY=.venv/bin/python
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode \
-  --format=csv,noheader
+command -v nvidia-smi >/dev/null && \
+  nvidia-smi --query-gpu=name,memory.total,driver_version,compute_mode --format=csv,noheader
 "$PY" - <<'PYEOF'
 import sys
 import torch
